@@ -1,0 +1,163 @@
+"""The `glm5` command (installed as glm5_offload.cli)."""
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from glm5_offload.errors import Glm5Error
+
+DEFAULT_BANNER = (
+    "glm5: no --model given: using the embedded tiny GLM-5-architecture checkpoint at {path}. "
+    "Its weights are random, so its text is noise; pass --model DIR for a real model."
+)
+
+
+def _model_dir(arg: str | None) -> tuple[Path, bool]:
+    """The --model directory, or the embedded default (created on first use); True if it is the default."""
+    if arg is not None:
+        path = Path(arg)
+        if not path.is_dir():
+            raise Glm5Error(f"{path}: no such model directory")
+        return path, False
+    from glm5_offload.tiny import ensure_default_model
+
+    path = ensure_default_model()
+    print(DEFAULT_BANNER.format(path=path), file=sys.stderr)
+    return path, True
+
+
+def _tokenizer(model_dir: Path, required: bool):
+    """The model directory's own tokenizer through transformers, or None when absent and not required."""
+    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+        if required:
+            raise Glm5Error(f"{model_dir}: no tokenizer.json or tokenizer_config.json (give --prompt-ids instead)")
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise Glm5Error(f"{model_dir}: cannot load its tokenizer ({e})") from None
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise Glm5Error(f"--prompt-ids: {text!r} is not a comma-separated list of integers") from None
+
+
+class TextStream:
+    """Prints the text of a growing list of token ids as it is generated (whole characters only)."""
+
+    def __init__(self, tokenizer, stop_ids, out):
+        self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, out
+        self.ids, self.printed = [], 0
+
+    def text(self) -> str:
+        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
+        return self.tokenizer.decode(ids)
+
+    def __call__(self, token_id: int):
+        self.ids.append(token_id)
+        text = self.text()
+        if not text.endswith("\ufffd"):
+            self.out.write(text[self.printed :])
+            self.out.flush()
+            self.printed = len(text)
+
+
+def cmd_make_tiny(args):
+    from glm5_offload.tiny import make_tiny
+
+    path = make_tiny(args.dir, arch=args.arch, fp8=args.fp8, seed=args.seed)
+    print(f"wrote a tiny {args.arch}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
+
+
+def cmd_generate(args):
+    import torch
+
+    from glm5_offload.engine import Engine, SamplingParams
+    from glm5_offload.loader import load_model
+
+    model_dir, is_default = _model_dir(args.model)
+    tokenizer = _tokenizer(model_dir, required=args.prompt is not None)
+    prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise Glm5Error(f"--device {args.device}: CUDA is not available on this machine")
+    model = load_model(model_dir, device=args.device, dtype=dtype)
+    engine = Engine(model, max_seq_len=args.max_seq_len)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    stream = TextStream(tokenizer, engine.stop_ids, sys.stdout) if tokenizer is not None and not args.json else None
+    result = engine.generate(prompt_ids, args.max_new_tokens, params, on_token=stream)
+    text = None
+    if tokenizer is not None:
+        ids = result.output_ids[:-1] if result.stop_reason == "eos" else result.output_ids
+        text = tokenizer.decode(ids)
+    if args.json:
+        print(json.dumps({
+            "model": str(model_dir),
+            "random_weights": is_default,
+            "prompt_ids": result.prompt_ids,
+            "output_ids": result.output_ids,
+            "text": text,
+            "stop_reason": result.stop_reason,
+            "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        }))
+        return
+    if stream is None:
+        print(",".join(map(str, result.output_ids)))
+    else:
+        print()
+    print(f"glm5: {len(result.prompt_ids)} prompt tokens at {result.prefill_tokens_per_s:.1f} tok/s, "
+          f"{len(result.output_ids)} new tokens at {result.decode_tokens_per_s:.1f} tok/s, stop: {result.stop_reason}",
+          file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="glm5", description="GLM-5 / DeepSeek-V3.2 on one workstation")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a small random checkpoint of the real architecture")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=["glm_moe_dsa", "deepseek_v32"], default="glm_moe_dsa")
+    p.add_argument("--fp8", action="store_true", help="store projections as FP8 e4m3 with 128x128 block scales")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+
+    p = sub.add_parser("generate", help="complete a prompt")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, random weights)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text, tokenized by the model's own tokenizer")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="glm5: %(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except Glm5Error as e:
+        print(f"glm5: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Read a published config.json (glm_moe_dsa or deepseek_v32) into one checked, derived ModelConfig.
+
+Every shape the engine needs comes from here; every other module trusts it. A missing or ill-typed
+field is a Glm5Error naming the file and the field.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import Glm5Error
+
+MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    rope_interleave: bool
+    indexer_rope_interleave: bool
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    indexer_types: tuple[str, ...]  # per layer: "full" | "shared"
+    mlp_layer_types: tuple[str, ...]  # per layer: "dense" | "moe"
+    dtype: str  # checkpoint dtype name: bfloat16 | float16 | float32
+    fp8_block_size: tuple[int, int] | None  # (128, 128) for FP8 releases, None otherwise
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached latent row: kv_lora_rank + qk_rope_head_dim (576 for GLM-5)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times yarn's mscale^2 when the rope scaling asks for it."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope.type == "yarn" and self.rope.mscale_all_dim and self.rope.factor > 1:
+            m = 0.1 * self.rope.mscale_all_dim * math.log(self.rope.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.indexer_types) if t == "full"]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.mlp_layer_types) if t == "moe"]
+
+
+class _Fields:
+    """Typed access to the raw JSON dict; every failure names the file and the field."""
+
+    def __init__(self, raw: dict, path: str):
+        self.raw, self.path = raw, path
+
+    def fail(self, field: str, why: str):
+        raise Glm5Error(f"{self.path}: field '{field}' {why}")
+
+    def get(self, field, kind, default=...):
+        if field not in self.raw or self.raw[field] is None:
+            if default is ...:
+                self.fail(field, "is missing")
+            return default
+        value = self.raw[field]
+        ok = {
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            bool: isinstance(value, bool),
+            str: isinstance(value, str),
+            dict: isinstance(value, dict),
+            list: isinstance(value, list),
+        }[kind]
+        if not ok:
+            self.fail(field, f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        return float(value) if kind is float else value
+
+    def positive(self, field, default=...):
+        value = self.get(field, int, default)
+        if value is not None and value <= 0:
+            self.fail(field, f"must be > 0, got {value}")
+        return value
+
+
+def _indexer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
+    """Per layer "full" (owns an indexer) or "shared" (reuses the full layer below it)."""
+    if f.raw.get("indexer_types") is not None:
+        types = f.get("indexer_types", list)
+        if len(types) != n_layers or any(t not in ("full", "shared") for t in types):
+            f.fail("indexer_types", f"must list 'full' or 'shared' for each of {n_layers} layers")
+    elif f.raw.get("index_topk_pattern") is not None:
+        pattern = f.raw["index_topk_pattern"]
+        if isinstance(pattern, str):
+            pattern = list(pattern)
+        if not isinstance(pattern, list) or len(pattern) != n_layers or any(c not in ("F", "S") for c in pattern):
+            f.fail("index_topk_pattern", f"must be {n_layers} letters F or S, got {f.raw['index_topk_pattern']!r}")
+        types = ["full" if c == "F" else "shared" for c in pattern]
+    else:
+        freq = f.get("index_topk_freq", int, 1)
+        offset = f.get("index_skip_topk_offset", int, 2)
+        if freq < 1:
+            f.fail("index_topk_freq", f"must be >= 1, got {freq}")
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+    if types and types[0] != "full":
+        f.fail("indexer_types", "must start with a 'full' layer: a shared layer reuses the full layer below it")
+    return tuple(types)
+
+
+def _mlp_layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
+    if f.raw.get("mlp_layer_types") is not None:
+        types = f.get("mlp_layer_types", list)
+        if len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+            f.fail("mlp_layer_types", f"must list 'dense' or 'sparse' for each of {n_layers} layers")
+        return tuple("moe" if t == "sparse" else "dense" for t in types)
+    n_dense = min(f.get("first_k_dense_replace", int), n_layers)
+    return tuple(["dense"] * n_dense + ["moe"] * (n_layers - n_dense))
+
+
+def _rope(f: _Fields) -> RopeConfig:
+    if f.raw.get("rope_parameters") is not None:
+        field, params = "rope_parameters", dict(f.get("rope_parameters", dict))
+    else:  # older layout: rope_theta at the top, rope_scaling beside it
+        field, params = "rope_scaling", dict(f.get("rope_scaling", dict, None) or {})
+        params.setdefault("rope_theta", f.get("rope_theta", float, 10000.0))
+    p = _Fields(params, f"{f.path}: {field}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        p.fail("rope_type", f"must be 'default' or 'yarn', got {rope_type!r}")
+    theta = p.get("rope_theta", float)
+    if rope_type == "default":
+        return RopeConfig(theta=theta, type="default")
+    return RopeConfig(
+        theta=theta,
+        type="yarn",
+        factor=p.get("factor", float),
+        original_max_position_embeddings=p.get("original_max_position_embeddings", int),
+        beta_fast=p.get("beta_fast", float, 32.0),
+        beta_slow=p.get("beta_slow", float, 1.0),
+        mscale=p.get("mscale", float, 0.0),
+        mscale_all_dim=p.get("mscale_all_dim", float, 0.0),
+        attention_factor=p.get("attention_factor", float, None),
+    )
+
+
+def _fp8_block_size(f: _Fields) -> tuple[int, int] | None:
+    q = f.get("quantization_config", dict, None)
+    if q is None:
+        return None
+    qf = _Fields(q, f"{f.path}: quantization_config")
+    method = qf.get("quant_method", str)
+    if method != "fp8":
+        qf.fail("quant_method", f"must be 'fp8' (the only quantised release format), got {method!r}")
+    fmt = qf.get("fmt", str, "e4m3")
+    if fmt != "e4m3":
+        qf.fail("fmt", f"must be 'e4m3', got {fmt!r}")
+    block = qf.get("weight_block_size", list)
+    if len(block) != 2 or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in block):
+        qf.fail("weight_block_size", f"must be two positive integers, got {block!r}")
+    return tuple(block)
+
+
+def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
+    f = _Fields(raw, path)
+    model_type = f.get("model_type", str)
+    if model_type not in MODEL_TYPES:
+        f.fail("model_type", f"is {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    for field, want in (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        value = f.get(field, str, want)
+        if value != want:
+            f.fail(field, f"must be {want!r}, got {value!r}")
+    n_layers = f.positive("num_hidden_layers")
+    heads = f.positive("num_attention_heads")
+    kv_heads = f.positive("num_key_value_heads", heads)
+    if kv_heads != heads:
+        f.fail("num_key_value_heads", f"must equal num_attention_heads ({heads}) for MLA, got {kv_heads}")
+    rope_dim = f.positive("qk_rope_head_dim")
+    index_head_dim = f.positive("index_head_dim")
+    if index_head_dim < rope_dim:
+        f.fail("index_head_dim", f"must be >= qk_rope_head_dim ({rope_dim}), got {index_head_dim}")
+    n_experts = f.positive("n_routed_experts")
+    n_group, topk_group = f.positive("n_group", 1), f.positive("topk_group", 1)
+    if n_experts % n_group or topk_group > n_group:
+        f.fail("n_group", f"must divide n_routed_experts ({n_experts}) and be >= topk_group ({topk_group})")
+    top_k = f.positive("num_experts_per_tok")
+    if top_k > n_experts // n_group * topk_group:
+        f.fail("num_experts_per_tok", f"{top_k} is more than the {topk_group} kept groups hold")
+    eos = f.raw.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        eos = [eos]
+    if eos is None:
+        eos = []
+    if not isinstance(eos, list) or any(not isinstance(e, int) or isinstance(e, bool) for e in eos):
+        f.fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+    dtype = f.get("dtype", str, None) or f.get("torch_dtype", str, "bfloat16")
+    if dtype not in DTYPES:
+        f.fail("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return ModelConfig(
+        path=path,
+        model_type=model_type,
+        vocab_size=f.positive("vocab_size"),
+        hidden_size=f.positive("hidden_size"),
+        intermediate_size=f.positive("intermediate_size"),
+        moe_intermediate_size=f.positive("moe_intermediate_size"),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        q_lora_rank=f.positive("q_lora_rank"),
+        kv_lora_rank=f.positive("kv_lora_rank"),
+        qk_nope_head_dim=f.positive("qk_nope_head_dim"),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=f.positive("v_head_dim"),
+        index_n_heads=f.positive("index_n_heads"),
+        index_head_dim=index_head_dim,
+        index_topk=f.positive("index_topk"),
+        n_routed_experts=n_experts,
+        n_shared_experts=f.get("n_shared_experts", int, 1),
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
+        norm_topk_prob=f.get("norm_topk_prob", bool, True),
+        rms_norm_eps=f.get("rms_norm_eps", float),
+        max_position_embeddings=f.positive("max_position_embeddings"),
+        rope=_rope(f),
+        rope_interleave=f.get("rope_interleave", bool, True),
+        indexer_rope_interleave=f.get("indexer_rope_interleave", bool, model_type == "glm_moe_dsa"),
+        tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
+        eos_token_ids=tuple(eos),
+        indexer_types=_indexer_types(f, n_layers),
+        mlp_layer_types=_mlp_layer_types(f, n_layers),
+        dtype=dtype,
+        fp8_block_size=_fp8_block_size(f),
+    )
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Load config.json from a file or a model directory."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise Glm5Error(f"{path}: no such config file")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Glm5Error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise Glm5Error(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+    return parse_config(raw, str(path))

@@ -1,0 +1,130 @@
+"""Generation for one sequence: chunked prefill into the latent cache, decode loop, sampling, stop ids."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import Glm5Error
+from .model import CausalLM
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    seed: int | None = None
+
+    def check(self):
+        if self.temperature < 0:
+            raise Glm5Error(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise Glm5Error(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise Glm5Error(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from logits [vocab] (fp32)."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    stop_reason: str = "length"  # "eos" | "length"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        # the first output token comes from the prefill's logits; decode steps make the rest
+        steps = max(len(self.output_ids) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    def __init__(self, model: CausalLM, max_seq_len: int | None = None, prefill_chunk: int = 2048):
+        self.model = model
+        self.max_seq_len = max_seq_len or model.config.max_position_embeddings
+        if self.max_seq_len > model.config.max_position_embeddings:
+            raise Glm5Error(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
+                            f"{model.config.max_position_embeddings}")
+        self.prefill_chunk = prefill_chunk
+        self.stop_ids = set(model.config.eos_token_ids)
+
+    def prefill(self, cache, ids: list[int]) -> torch.Tensor:
+        """Run ids through the model in chunks; the last token's logits [vocab]."""
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        for s in range(0, len(ids), self.prefill_chunk):
+            logits = self.model(tokens[s : s + self.prefill_chunk], cache, logits_for="last")
+        return logits[-1]
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
+        params.check()
+        if not prompt_ids:
+            raise Glm5Error("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [i for i in prompt_ids if not 0 <= i < vocab]
+        if bad:
+            raise Glm5Error(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) + max_new_tokens > self.max_seq_len:
+            raise Glm5Error(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds "
+                            f"max_seq_len {self.max_seq_len}")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        result = GenerationResult(prompt_ids=list(prompt_ids))
+        cache = self.model.new_cache(len(prompt_ids) + max_new_tokens)
+        device = self.model.device
+
+        t0 = time.perf_counter()
+        logits = self.prefill(cache, prompt_ids)
+        _sync(device)
+        result.prefill_seconds = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        for step in range(max_new_tokens):
+            if step:
+                token = torch.tensor([result.output_ids[-1]], device=device)
+                logits = self.model(token, cache, logits_for="last")[-1]
+            next_id = sample(logits, params, generator)
+            result.output_ids.append(next_id)
+            if on_token is not None:
+                on_token(next_id)
+            if next_id in self.stop_ids:
+                result.stop_reason = "eos"
+                break
+        _sync(device)
+        result.decode_seconds = time.perf_counter() - t0
+        return result

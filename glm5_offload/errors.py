@@ -1,0 +1,5 @@
+"""The one error type the command line turns into a single line and exit code 2."""
+
+
+class Glm5Error(Exception):
+    """A user-facing error: its message names the file, key or value at fault, on one line."""

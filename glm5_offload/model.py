@@ -1,0 +1,293 @@
+"""The GLM-5 / DeepSeek-V3.2 module tree with its reference operators in plain torch.
+
+Modules are named exactly like the checkpoint's tensors (`model.layers.3.mlp.experts.7.up_proj.weight`)
+and are built on the meta device; the loader assigns real tensors. Every forward here is the plain
+torch reference for one sequence (no batch dimension): x is [S, hidden] for S new tokens at
+positions start .. start+S-1, and the latent KV cache holds everything before them.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .rope import apply_rope, cos_sin, inv_freq_and_scaling
+
+# Queries per attention chunk are bounded so that heads x queries x keys scores stay near this many.
+_SCORE_BUDGET = 1 << 26
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers, each routed expert and the shared expert."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = linear(hidden, inner)
+        self.up_proj = linear(hidden, inner)
+        self.down_proj = linear(inner, hidden)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with correction bias and group-limited top-k (checkpoint name `mlp.gate`)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.empty(config.n_routed_experts, dtype=torch.float32))
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x):
+        """x [T, hidden] -> expert ids [T, top_k] (int64), weights [T, top_k] (fp32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(x.shape[0], -1)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class Experts(nn.ModuleList):
+    """The routed experts, one MLP each (`mlp.experts.E.{gate,up,down}_proj`)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+
+    def forward(self, x, ids, weights):
+        """x [T, hidden], ids/weights [T, top_k] -> sum_i w_i * expert_i(x)."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = torch.where(ids == e)
+            y = self[e](x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x):
+        ids, weights = self.gate(x)
+        out = self.experts(x, ids, weights)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: scores every cached key for each query, keeps the top index_topk."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim, self.topk = config.qk_rope_head_dim, config.index_topk
+        self.interleaved = config.indexer_rope_interleave
+        self.wq_b = linear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = linear(config.hidden_size, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = linear(config.hidden_size, self.n_heads)  # kept fp32
+
+    def _rope(self, t, cos, sin):
+        rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
+
+    def forward(self, x, qr, cos, sin, keys: torch.Tensor, start: int):
+        """x [S, hidden], qr [S, q_lora]; keys: this layer's indexer-key cache [max_seq, head_dim].
+
+        Returns the selected token positions [S, min(topk, start+S)] (int64), -1 where fewer are valid.
+        """
+        S = x.shape[0]
+        q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        keys[start : start + S] = k
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        scores = indexer_scores(q, keys[: start + S], weights, start)
+        return topk_indices(scores, self.topk)
+
+
+def indexer_scores(q, keys, weights, start: int):
+    """score[s, t] = sum_h w[s,h] * relu(q[s,h] . k[t]) * head_dim^-0.5; -inf where t > start + s.
+
+    q [S, H, D], keys [T, D], weights [S, H] fp32 -> [S, T] fp32.
+    """
+    S, T = q.shape[0], keys.shape[0]
+    logits = torch.einsum("shd,td->sht", q.float(), keys.float()) * q.shape[-1] ** -0.5
+    scores = torch.einsum("sh,sht->st", weights, F.relu(logits))
+    causal = torch.arange(T, device=q.device)[None, :] > (start + torch.arange(S, device=q.device))[:, None]
+    return scores.masked_fill(causal, float("-inf"))
+
+
+def topk_indices(scores, k: int):
+    """Top-min(k, T) positions per row of scores [S, T]; -1 where the score is -inf (not a valid token)."""
+    values, idx = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    return idx.masked_fill(values == float("-inf"), -1)
+
+
+def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
+    """Absorbed-form sparse MLA over the latent rows each query selected.
+
+    q_lat [S, H, L] (q_nope through W_UK), q_pe [S, H, R], latent [T, L+R] = [c | k_pe],
+    indices [S, K] (int64, -1 = none) -> o [S, H, L] (the softmax-weighted sum of c), fp32.
+    """
+    S, T = q_lat.shape[0], latent.shape[0]
+    c, k_pe = latent[:, :kv_lora_rank].float(), latent[:, kv_lora_rank:].float()
+    selected = torch.zeros(S, T + 1, dtype=torch.bool, device=latent.device)
+    selected.scatter_(1, torch.where(indices < 0, T, indices), True)
+    selected = selected[:, :T]
+    out = torch.empty(S, q_lat.shape[1], kv_lora_rank, dtype=torch.float32, device=latent.device)
+    chunk = max(1, _SCORE_BUDGET // (q_lat.shape[1] * T))
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        scores = torch.einsum("shl,tl->sht", q_lat[s0:s1].float(), c) + torch.einsum("shr,tr->sht", q_pe[s0:s1].float(), k_pe)
+        scores = (scores * scale).masked_fill(~selected[s0:s1, None, :], float("-inf"))
+        out[s0:s1] = torch.einsum("sht,tl->shl", scores.softmax(dim=-1), c)
+    return out
+
+
+class Attention(nn.Module):
+    """MLA with a latent-only cache; DSA selects the rows each query attends to."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.interleaved = config.rope_interleave
+        self.scale = config.softmax_scale
+        self.q_a_proj = linear(config.hidden_size, config.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
+        self.q_b_proj = linear(config.q_lora_rank, self.n_heads * (self.nope + self.rope_dim))
+        self.kv_a_proj_with_mqa = linear(config.hidden_size, self.kv_lora_rank + self.rope_dim)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
+        self.o_proj = linear(self.n_heads * self.v_dim, config.hidden_size)
+        self.indexer = Indexer(config) if config.indexer_types[layer] == "full" else None
+
+    def forward(self, x, cos, sin, cache: KVCache, start: int, shared_indices):
+        """x [S, hidden] -> (out [S, hidden], the selected indices [S, K] for the shared layers above)."""
+        S = x.shape[0]
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
+        k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
+        latent = cache.latent[self.layer]
+        latent[start : start + S] = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+        if self.indexer is not None:
+            indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], start)
+        else:
+            indices = shared_indices
+
+        wkv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
+        q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
+        o = sparse_mla(q_lat, q_pe, latent[: start + S], indices, self.kv_lora_rank, self.scale)
+        out = torch.einsum("shl,hvl->shv", o, w_uv).to(x.dtype)  # [S, H, v_head_dim]
+        return self.o_proj(out.reshape(S, -1)), indices
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.mlp_layer_types[layer] == "moe"
+        self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, start, shared_indices):
+        h, indices = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, shared_indices)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), indices
+
+
+class Backbone(nn.Module):
+    """Checkpoint prefix `model.`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = linear(config.hidden_size, config.vocab_size)
+        with torch.device("cpu"):
+            self.inv_freq, self.rope_scaling = inv_freq_and_scaling(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, max_seq_len: int) -> KVCache:
+        return KVCache(self.config, max_seq_len, self.device, self.dtype)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, logits_for: str = "all") -> torch.Tensor:
+        """tokens [S] at positions cache.length .. +S-1; appends their rows to the cache.
+
+        Returns logits [S, vocab] (fp32), or [1, vocab] for the last token with logits_for="last".
+        """
+        S, start = tokens.shape[0], cache.length
+        cache.check_room(S)
+        positions = torch.arange(start, start + S, device=self.device)
+        cos, sin = cos_sin(self.inv_freq, self.rope_scaling, positions)
+        x = self.model.embed_tokens(tokens)
+        indices = None
+        for layer in self.model.layers:
+            x, indices = layer(x, cos, sin, cache, start, indices)
+        cache.length = start + S
+        if logits_for == "last":
+            x = x[-1:]
+        return self.lm_head(self.model.norm(x)).float()
+
+
+def build_model(config: ModelConfig) -> CausalLM:
+    """The module tree on the meta device: shapes and names only, no memory."""
+    with torch.device("meta"):
+        return CausalLM(config)

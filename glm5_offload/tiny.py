@@ -1,0 +1,239 @@
+"""`glm5 make-tiny`: a small checkpoint of the real architecture, as a release lays it out.
+
+Seeded random weights in sharded safetensors with an index, a config.json with an IndexShare pattern
+and an index_topk below typical prompt lengths (so sparsity matters), a byte-level BPE tokenizer.json
+with the GLM special tokens, and a GLM-style chat template. With fp8, the projection weights are
+stored as float8_e4m3fn with 128x128-block weight_scale_inv, as GLM-5-FP8 is.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .config import parse_config
+from .model import build_model
+
+ARCHS = ("glm_moe_dsa", "deepseek_v32")
+SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                  "<|assistant|>", "<|observation|>", "<think>", "</think>"]
+EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+VOCAB_SIZE = 1024
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' -%}<|system|>\n{{ m.content }}"
+    "{%- elif m.role == 'user' -%}<|user|>\n{{ m.content }}"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>\n<think>{{ m.reasoning_content or '' }}</think>\n{{ m.content }}"
+    "{%- elif m.role in ('tool', 'observation') -%}<|observation|>\n{{ m.content }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n"
+    "{%- if enable_thinking is defined and not enable_thinking -%}<think></think>\n{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}"
+)
+
+# Text the tokenizer's merges are learnt from: prose, chat and code, so the merges look like a real BPE.
+CORPUS = """\
+GLM-5 is a mixture-of-experts language model with sparse attention. Each token picks eight of two
+hundred and fifty six experts, and the lightning indexer picks the two thousand and forty eight
+earlier tokens that attention reads. The engine keeps attention on the GPU and the experts on the CPU.
+Hello! How are you today? I am fine, thank you. What would you like to talk about?
+Let me think about this step by step. First, we read the question. Then we plan an answer.
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+def main(argv):
+    for i in range(10):
+        print(f"token {i}: {argv[i]}")
+    return 0
+import torch
+x = torch.randn(4, 8)
+y = x @ x.T + 1.0
+The cache holds one latent row per token per layer: five hundred and seventy six values.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1024 2048 65536. Symbols: ( ) [ ] { } < > = + - * / % & | ^ ~ ! ? : ; , .
+Questions, answers, summaries, translations, poems, stories, recipes, plans, proofs and programs.
+"""
+
+
+def tiny_config(arch: str = "glm_moe_dsa") -> dict:
+    """A config.json dict of the real architecture at small dims."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    config = {
+        "architectures": ["GlmMoeDsaForCausalLM" if arch == "glm_moe_dsa" else "DeepseekV32ForCausalLM"],
+        "model_type": arch,
+        "dtype": "bfloat16",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "index_n_heads": 8,
+        "index_head_dim": 32,
+        "index_topk": 16,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "eos_token_id": [SPECIAL_TOKENS.index(t) for t in EOS_TOKENS],
+        "pad_token_id": 0,
+    }
+    if arch == "glm_moe_dsa":
+        config.update({
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+            "rope_interleave": True,
+            "indexer_rope_interleave": True,
+            "index_topk_freq": 2,  # IndexShare as GLM-5.2 has it: layers F F S F S
+            "index_skip_topk_offset": 2,
+        })
+    else:
+        config.update({
+            "rms_norm_eps": 1e-6,
+            "n_group": 4,
+            "topk_group": 2,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                "original_max_position_embeddings": 1024, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 1.0, "mscale_all_dim": 1.0},
+        })
+    return config
+
+
+def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (W8 float8_e4m3fn, scale_inv [ceil(out/b), ceil(in/b)] fp32) with W ~ W8 * scale."""
+    out_f, in_f = weight.shape
+    rows, cols = -(-out_f // block), -(-in_f // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
+    padded[:out_f, :in_f] = weight.float()
+    blocks = padded.view(rows, block, cols, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rows, cols]
+    w8 = (blocks / scale[:, None, :, None]).view(rows * block, cols * block)[:out_f, :in_f]
+    return w8.to(torch.float8_e4m3fn), scale
+
+
+def is_fp8_projection(name: str) -> bool:
+    """The weights an FP8 release stores as float8 blocks: every projection except router and indexer weights."""
+    if any(k in name for k in ("embed_tokens", "lm_head", "mlp.gate.weight", "weights_proj")):
+        return False
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight", ".wq_b.weight", ".wk.weight"))
+
+
+def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights for every tensor of the module tree, fp32: norms near 1, projections ~ 1/sqrt(fan_in)."""
+    model = build_model(parse_config(config, "tiny config"))
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, meta in model.state_dict().items():
+        shape = tuple(meta.shape)
+        noise = torch.randn(shape, generator=gen)
+        if name.endswith("norm.weight"):
+            weights[name] = 1 + 0.1 * noise
+        elif name.endswith(("k_norm.bias", "e_score_correction_bias")):
+            weights[name] = 0.1 * noise
+        elif name.endswith("embed_tokens.weight"):
+            weights[name] = noise
+        else:
+            weights[name] = noise * shape[-1] ** -0.5
+    return weights
+
+
+def train_tokenizer():
+    """A byte-level BPE tokenizer (tokenizers library) with the GLM special tokens first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS.splitlines() * 4, trainer)
+    return tok
+
+
+def save_tokenizer(out_dir: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(str(out_dir))
+
+
+def write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], n_shards: int):
+    """Sharded safetensors plus model.safetensors.index.json, shards split along the tensor order."""
+    names = list(tensors)
+    per = -(-len(names) // n_shards)
+    weight_map, total = {}, 0
+    for i in range(n_shards):
+        part = names[i * per : (i + 1) * per]
+        file = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(out_dir / file), metadata={"format": "pt"})
+        for n in part:
+            weight_map[n] = file
+            total += tensors[n].numel() * tensors[n].element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False, seed: int = 0) -> Path:
+    """Write the tiny checkpoint into out_dir (created; written to a temporary folder, then moved)."""
+    out_dir = Path(out_dir)
+    config = tiny_config(arch)
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    tensors = {}
+    for name, w in random_weights(config, seed).items():
+        if fp8 and is_fp8_projection(name):
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(w)
+        elif name.endswith(("e_score_correction_bias", "weights_proj.weight")):
+            tensors[name] = w  # fp32 in releases
+        else:
+            tensors[name] = w.to(torch.bfloat16)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_shards(tmp, tensors, n_shards=4)
+        save_tokenizer(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default tiny checkpoint lives: the user's cache directory."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "glm5-offload" / "tiny-glm5"
+
+
+def ensure_default_model() -> Path:
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        make_tiny(path)
+    return path

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny checkpoints written by transformers itself, and by `glm5 make-tiny`."""
+
+import pytest
+import torch
+
+# Small dims of the real architectures. index_topk (8) is below the test prompts' lengths, so the
+# indexer really selects; 16 indexer heads keep exact-zero score ties (all ReLUs zero) improbable.
+COMMON = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32,
+    q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=32, index_topk=8, index_head_dim=32,
+    index_n_heads=16, first_k_dense_replace=1, max_position_embeddings=512, initializer_range=0.1,
+    routed_scaling_factor=2.5, eos_token_id=[2, 3], pad_token_id=0,
+)
+
+
+def _randomize_norms_and_bias(model):
+    """Non-trivial RMSNorm / LayerNorm weights, LayerNorm biases and router correction biases."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("k_norm.bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+
+
+def build_hf_model(arch: str, seed: int = 0, **overrides):
+    """A randomly initialised transformers model of arch at COMMON dims (fp32)."""
+    torch.manual_seed(seed)
+    if arch == "glm_moe_dsa":
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+        config = GlmMoeDsaConfig(**{**COMMON, **overrides}, index_topk_pattern="FSSSF",
+                                 rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+        model = GlmMoeDsaForCausalLM(config)
+    else:
+        from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+        config = DeepseekV32Config(**{**COMMON, **overrides}, n_group=4, topk_group=2, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+        model = DeepseekV32ForCausalLM(config)
+    _randomize_norms_and_bias(model)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """arch, dtype -> (directory written by save_pretrained, the transformers model)."""
+    made = {}
+
+    def make(arch: str, dtype: torch.dtype = torch.float32):
+        if (arch, dtype) not in made:
+            model = build_hf_model(arch).to(dtype)
+            path = tmp_path_factory.mktemp(f"hf-{arch}-{str(dtype).split('.')[-1]}")
+            model.save_pretrained(path, max_shard_size="200KB")
+            made[arch, dtype] = path, model
+        return made[arch, dtype]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """arch, fp8 -> a `glm5 make-tiny` checkpoint directory."""
+    from glm5_offload.tiny import make_tiny
+
+    made = {}
+
+    def make(arch: str = "glm_moe_dsa", fp8: bool = False):
+        if (arch, fp8) not in made:
+            made[arch, fp8] = make_tiny(tmp_path_factory.mktemp(f"tiny-{arch}-{fp8}") / "ckpt", arch=arch, fp8=fp8)
+        return made[arch, fp8]
+
+    return make
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
