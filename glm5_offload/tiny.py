@@ -35,8 +35,8 @@ CHAT_TEMPLATE = (
     "{%- elif m.role in ('tool', 'observation') -%}<|observation|>\n{{ m.content }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>\n"
-    "{%- if enable_thinking is defined and not enable_thinking -%}<think></think>\n{%- else -%}<think>{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think></think>\\n' }}{%- else -%}<think>{%- endif -%}"
     "{%- endif -%}"
 )
 

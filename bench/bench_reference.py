@@ -1,0 +1,70 @@
+"""The plain-torch reference path on real GLM-5 dims: one MoE decoder layer, decode and prefill.
+
+These are the figures the Triton and numba paths are measured against. Weights are random bf16
+(normal, 1/sqrt(fan_in)); the latent and indexer-key caches hold random rows for the whole context.
+"""
+
+from importlib import resources
+from types import SimpleNamespace
+
+import torch
+
+from glm5_offload.config import load_config
+from glm5_offload.model import DecoderLayer
+from glm5_offload.rope import cos_sin, inv_freq_and_scaling
+
+from ceilings import time_ms
+
+LAYER = 3  # the first MoE layer; full (owns an indexer) in GLM-5
+
+
+def glm5_layer(device="cuda", dtype=torch.bfloat16):
+    config = load_config(resources.files("glm5_offload") / "presets" / "glm-5.json")
+    with torch.device("meta"):
+        layer = DecoderLayer(config, LAYER)
+    layer = layer.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+            else:
+                p.zero_()
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.01)
+        for name, p in layer.named_parameters():
+            if not name.endswith(("weights_proj.weight", "mlp.gate.weight")):
+                p.data = p.data.to(dtype)
+    return config, layer
+
+
+def layer_weight_bytes(config, layer) -> tuple[int, int]:
+    """Bytes a decode token reads: all non-expert weights, and the active experts (top-k + shared)."""
+    expert = sum(p.numel() * p.element_size() for p in layer.mlp.experts[0].parameters())
+    other = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if ".experts." not in n)
+    return other, expert * config.num_experts_per_tok
+
+
+def bench_layer(context: int, prefill_chunk: int = 512):
+    config, layer = glm5_layer()
+    device, dtype = "cuda", torch.bfloat16
+    cache = SimpleNamespace(
+        latent={LAYER: torch.randn(context + prefill_chunk, config.latent_dim, device=device, dtype=dtype)},
+        index_keys={LAYER: torch.randn(context + prefill_chunk, config.index_head_dim, device=device, dtype=dtype)},
+    )
+    inv_freq, scaling = inv_freq_and_scaling(config)
+    results = {}
+    for name, n in (("decode", 1), ("prefill", prefill_chunk)):
+        x = torch.randn(n, config.hidden_size, device=device, dtype=dtype)
+        cos, sin = cos_sin(inv_freq, scaling, torch.arange(context, context + n, device=device))
+        with torch.no_grad():
+            ms = time_ms(lambda: layer(x, cos, sin, cache, context, None), warmup=2, iters=10)
+        results[name] = ms
+    other, experts = layer_weight_bytes(config, layer)
+    latent_bytes = min(context, config.index_topk) * config.latent_dim * 2 + context * config.index_head_dim * 2
+    return {
+        "context": context,
+        "decode_ms": results["decode"],
+        "prefill_tok_s": prefill_chunk / results["prefill"] * 1e3,
+        "decode_bytes": other + experts + latent_bytes,
+    }

@@ -1,0 +1,34 @@
+"""Hardware ceilings measured in the same run as the benchmarks that quote them."""
+
+import torch
+
+
+def time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of fn() on the current CUDA device, timed with events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def hbm_copy_gb_s(n_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.randn(n_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * n_bytes / ms / 1e6
+
+
+def bf16_matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b)
+    return 2 * n**3 / ms / 1e9

@@ -1,0 +1,105 @@
+"""The glm5 command: make-tiny, generate (text, ids, JSON, the embedded default) and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glm5_offload.config import load_config
+from glm5_offload.engine import Engine
+from glm5_offload.loader import load_model
+
+
+def glm5(*args, env=None, check=True):
+    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
+    out = tmp_path / "tiny"
+    proc = glm5("make-tiny", out, "--seed", "3")
+    assert "wrote a tiny glm_moe_dsa checkpoint" in proc.stdout
+    config = load_config(out)
+    assert config.indexer_types == ("full", "full", "shared", "full", "shared")
+    assert config.index_topk < 20  # below typical prompts: the indexer really selects
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) == 4 and all((out / s).is_file() for s in shards)
+    assert "model.layers.1.mlp.experts.15.down_proj.weight" in index["weight_map"]
+    assert "model.layers.2.self_attn.indexer.wk.weight" not in index["weight_map"]  # shared layer
+    again = tmp_path / "again"
+    glm5("make-tiny", again, "--seed", "3")
+    shard = sorted(shards)[1]
+    first, second = load_file(out / shard), load_file(again / shard)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_tiny_tokenizer_and_chat_template(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir()), local_files_only=True)
+    config = load_config(tiny_dir())
+    specials = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>", "</think>"]
+    assert all(len(tok.encode(s, add_special_tokens=False)) == 1 for s in specials)
+    assert tok.convert_ids_to_tokens(list(config.eos_token_ids)) == ["<|endoftext|>", "<|user|>", "<|observation|>"]
+    text = "Hello, world! def main(): return 42 — ünïcode"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and len(ids) < len(text.encode())  # byte-level BPE with real merges
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi<|assistant|>\n<think>"
+    no_think = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert no_think.endswith("<|assistant|>\n<think></think>\n")
+
+
+def test_generate_json_greedy_matches_the_engine(tiny_dir):
+    path = tiny_dir()
+    proc = glm5("generate", "--model", path, "--prompt", "Hello! How are you", "--max-new-tokens", 12,
+                "--temperature", 0, "--json")
+    out = json.loads(proc.stdout)
+    assert set(out) >= {"prompt_ids", "output_ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}
+    assert out["random_weights"] is False and out["prefill_tokens_per_s"] > 0
+    engine = Engine(load_model(path))
+    expected = engine.generate(out["prompt_ids"], 12).output_ids
+    assert out["output_ids"] == expected
+    assert isinstance(out["text"], str)
+
+
+def test_generate_prompt_ids_with_sampling_seed(tiny_dir):
+    args = ["generate", "--model", tiny_dir(), "--prompt-ids", "12,40,77", "--max-new-tokens", 8,
+            "--temperature", 0.9, "--top-p", 0.9, "--top-k", 50, "--seed", 5, "--json"]
+    a, b = json.loads(glm5(*args).stdout), json.loads(glm5(*args).stdout)
+    assert a["prompt_ids"] == [12, 40, 77] and a["output_ids"] == b["output_ids"]
+
+
+def test_generate_streams_text(tiny_dir):
+    proc = glm5("generate", "--model", tiny_dir(), "--prompt", "The quick brown fox", "--max-new-tokens", 6)
+    assert proc.stdout.strip() and "prompt tokens at" in proc.stderr
+
+
+def test_default_model_is_created_on_first_use_and_says_it_is_random(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    proc = glm5("generate", "--prompt", "Hello", "--max-new-tokens", 4, "--json", env=env)
+    assert "weights are random" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["random_weights"] is True and len(out["output_ids"]) >= 1
+    assert (tmp_path / "glm5-offload" / "tiny-glm5" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "/nonexistent/model: no such model directory"),
+    (["generate", "--prompt-ids", "1,x,3"], "--prompt-ids"),
+    (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", 10, "--max-seq-len", 8], "exceeds max_seq_len 8"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    proc = glm5(*args, env={"XDG_CACHE_HOME": str(tmp_path)}, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0]
+    assert "Traceback" not in proc.stderr

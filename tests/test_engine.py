@@ -1,0 +1,88 @@
+"""Generation: greedy and seeded sampling, top-k / top-p, stop ids, streaming, and refusals."""
+
+import pytest
+import torch
+
+from glm5_offload.engine import Engine, SamplingParams, sample
+from glm5_offload.errors import Glm5Error
+from glm5_offload.loader import load_model
+
+PROMPT = [12, 40, 77, 301, 5, 990, 18, 64, 64, 3, 870, 45, 12, 19, 200, 201, 202, 33, 34, 35]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return Engine(load_model(tiny_dir(), dtype=torch.float32), max_seq_len=256)
+
+
+def test_greedy_is_argmax_of_the_model(engine):
+    out = engine.generate(PROMPT, 8).output_ids
+    model = engine.model
+    logits = model(torch.tensor(PROMPT + out[:-1]), model.new_cache(64))
+    assert logits[len(PROMPT) - 1 :].argmax(-1).tolist() == out
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    params = SamplingParams(temperature=1.0, seed=7)
+    a = engine.generate(PROMPT, 16, params).output_ids
+    assert engine.generate(PROMPT, 16, params).output_ids == a
+    others = [engine.generate(PROMPT, 16, SamplingParams(temperature=1.0, seed=s)).output_ids for s in (8, 9)]
+    assert any(o != a for o in others)
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(engine):
+    greedy = engine.generate(PROMPT, 10).output_ids
+    assert engine.generate(PROMPT, 10, SamplingParams(temperature=2.0, top_k=1, seed=1)).output_ids == greedy
+    assert engine.generate(PROMPT, 10, SamplingParams(temperature=2.0, top_p=1e-6, seed=1)).output_ids == greedy
+
+
+def test_sample_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    gen = torch.Generator().manual_seed(0)
+    draws = lambda p: {sample(logits, p, gen) for _ in range(300)}  # noqa: E731
+    assert draws(SamplingParams(temperature=1.0)) == {0, 1, 2, 3}
+    assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.6)) == {0, 1}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.5)) == {0}
+    assert draws(SamplingParams(temperature=1.0, top_p=0.81)) == {0, 1, 2}
+
+
+def test_stops_on_eos_and_streams_every_token(engine):
+    assert engine.stop_ids == set(engine.model.config.eos_token_ids) and engine.stop_ids
+    full = engine.generate(PROMPT, 12).output_ids
+    streamed = []
+    saved = engine.stop_ids
+    engine.stop_ids = {full[5]}
+    try:
+        result = engine.generate(PROMPT, 12, on_token=streamed.append)
+    finally:
+        engine.stop_ids = saved
+    cut = full.index(full[5]) + 1
+    assert result.output_ids == full[:cut] and result.stop_reason == "eos"
+    assert streamed == result.output_ids
+    assert result.prefill_tokens_per_s > 0
+
+
+def test_chunked_prefill_equals_one_shot(engine):
+    model = engine.model
+    one = model(torch.tensor(PROMPT), model.new_cache(64))[-1]
+    chunked = Engine(model, max_seq_len=64, prefill_chunk=3)
+    assert torch.allclose(chunked.prefill(model.new_cache(64), PROMPT), one, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt, n, params, match", [
+    (PROMPT, 300, SamplingParams(), "exceeds max_seq_len 256"),
+    ([], 4, SamplingParams(), "prompt is empty"),
+    ([5, 5000], 4, SamplingParams(), "token id 5000 is outside the vocabulary"),
+    (PROMPT, 4, SamplingParams(temperature=-1), "temperature"),
+    (PROMPT, 4, SamplingParams(top_p=0), "top_p"),
+    (PROMPT, 4, SamplingParams(top_k=-2), "top_k"),
+])
+def test_refusals(engine, prompt, n, params, match):
+    with pytest.raises(Glm5Error, match=match):
+        engine.generate(prompt, n, params)
+
+
+def test_max_seq_len_above_the_model_is_refused(engine):
+    with pytest.raises(Glm5Error, match="max_position_embeddings"):
+        Engine(engine.model, max_seq_len=10**7)

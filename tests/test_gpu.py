@@ -1,0 +1,47 @@
+"""The reference path on CUDA gives the CPU's result (run on a GPU machine: pytest -m gpu)."""
+
+import pytest
+import torch
+
+from glm5_offload.engine import Engine
+from glm5_offload.loader import load_model
+
+from conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32_matmul():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_cuda_reference_matches_cpu_fp32(hf_checkpoint, arch):
+    path, _ = hf_checkpoint(arch)
+    ids = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(0))
+    cpu = load_model(path, dtype=torch.float32)
+    gpu = load_model(path, device="cuda", dtype=torch.float32)
+    assert gpu.device.type == "cuda"
+    expected = cpu(ids, cpu.new_cache(64))
+    got = gpu(ids.cuda(), gpu.new_cache(64)).cpu()
+    assert max(rel_err(got[i], expected[i]) for i in range(40)) < 1e-4
+    n_new = 24
+    cpu_tokens = Engine(cpu).generate(ids.tolist(), n_new).output_ids
+    gpu_tokens = Engine(gpu).generate(ids.tolist(), n_new).output_ids
+    assert gpu_tokens == cpu_tokens
+
+
+def test_cuda_reference_bf16_fp8_checkpoint(tiny_dir):
+    path = tiny_dir("glm_moe_dsa", fp8=True)
+    ids = torch.arange(12, 60)
+    cpu = load_model(path, dtype=torch.float32)
+    gpu = load_model(path, device="cuda")
+    assert gpu.dtype == torch.bfloat16
+    expected = cpu(ids, cpu.new_cache(64))
+    got = gpu(ids.cuda(), gpu.new_cache(64)).cpu()
+    errors = sorted(rel_err(got[i], expected[i]) for i in range(len(ids)))
+    assert errors[len(errors) // 2] < 2e-2

@@ -1,0 +1,172 @@
+"""Checkpoint loading: FP8 block dequantisation, the MTP layer, and one clear line for every bad input."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glm5_offload.errors import Glm5Error
+from glm5_offload.loader import dequantize_fp8, load_model
+from glm5_offload.tiny import is_fp8_projection, quantize_fp8
+
+FIRST_SHARD = "model-00001-of-00004.safetensors"
+
+
+@pytest.fixture
+def ckpt(tiny_dir, tmp_path):
+    """A private copy of the bf16 tiny checkpoint, free to damage."""
+    return shutil.copytree(tiny_dir(), tmp_path / "ckpt")
+
+
+def weight_map(path):
+    return json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def rewrite_shard(path, shard, change):
+    tensors = load_file(path / shard)
+    change(tensors)
+    save_file(tensors, path / shard)
+
+
+def rewrite_index(path, change):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    change(index["weight_map"])
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def load_error(path) -> str:
+    with pytest.raises(Glm5Error) as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_quantize_dequantize_round_trip_partial_blocks():
+    w = torch.randn(300, 200)  # partial 128-blocks on both axes
+    w8, scale = quantize_fp8(w)
+    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
+    back = dequantize_fp8(w8, scale, (128, 128))
+    assert ((back - w).norm() / w.norm()).item() < 0.05  # e4m3 keeps 3 mantissa bits
+    block = w8[128:256, 128:200].float() * scale[1, 1]
+    assert torch.equal(back[128:256, 128:200], block)
+
+
+def test_fp8_checkpoint_loads_to_dequantised_weights_exactly(tiny_dir):
+    path = tiny_dir("glm_moe_dsa", fp8=True)
+    model = load_model(path, dtype=torch.float32)
+    params = model.state_dict()
+    shards = {}
+    for file in set(weight_map(path).values()):
+        shards.update(load_file(path / file))
+    quantised = [n for n in shards if shards[n].dtype == torch.float8_e4m3fn]
+    assert len(quantised) > 50 and all(is_fp8_projection(n) for n in quantised)
+    for name in quantised:
+        expected = dequantize_fp8(shards[name], shards[name + "_scale_inv"], (128, 128))
+        assert torch.equal(params[name], expected), name
+    assert params["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    ids = torch.arange(12, 40)
+    assert torch.isfinite(model(ids, model.new_cache(32))).all()
+
+
+def test_single_file_checkpoint_and_mtp_layer_skipped(ckpt, caplog):
+    tensors = {}
+    for file in set(weight_map(ckpt).values()):
+        tensors.update(load_file(ckpt / file))
+        (ckpt / file).unlink()
+    (ckpt / "model.safetensors.index.json").unlink()
+    mtp = {n.replace("model.layers.4.", "model.layers.5.", 1): t.clone() for n, t in tensors.items() if n.startswith("model.layers.4.")}
+    save_file({**tensors, **mtp}, ckpt / "model.safetensors")
+    with caplog.at_level(logging.INFO, logger="glm5_offload"):
+        model = load_model(ckpt)
+    lines = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
+    assert len(lines) == 1 and f"{len(mtp)} tensors" in lines[0] and "model.layers.5.*" in lines[0]
+    assert torch.equal(model.state_dict()["model.norm.weight"], tensors["model.norm.weight"])
+
+
+def test_missing_tensor(ckpt):
+    name = next(n for n, f in weight_map(ckpt).items() if f == FIRST_SHARD)
+    rewrite_shard(ckpt, FIRST_SHARD, lambda t: t.pop(name))
+    rewrite_index(ckpt, lambda m: m.pop(name))
+    assert f"missing tensor {name}" in load_error(ckpt)
+
+
+def test_index_lists_tensor_the_shard_lacks(ckpt):
+    name = next(n for n, f in weight_map(ckpt).items() if f == FIRST_SHARD)
+    rewrite_shard(ckpt, FIRST_SHARD, lambda t: t.pop(name))
+    message = load_error(ckpt)
+    assert name in message and FIRST_SHARD in message
+
+
+def test_unexpected_tensor(ckpt):
+    name = "model.layers.1.self_attn.rotary_emb.inv_freq"
+    rewrite_shard(ckpt, FIRST_SHARD, lambda t: t.update({name: torch.ones(8)}))
+    rewrite_index(ckpt, lambda m: m.update({name: FIRST_SHARD}))
+    assert f"unexpected tensor {name}" in load_error(ckpt)
+
+
+def test_indexer_weights_on_a_shared_layer_are_unexpected(ckpt):
+    name = "model.layers.2.self_attn.indexer.wk.weight"  # layer 2 is shared in the tiny pattern F F S F S
+    rewrite_shard(ckpt, FIRST_SHARD, lambda t: t.update({name: torch.ones(32, 128)}))
+    rewrite_index(ckpt, lambda m: m.update({name: FIRST_SHARD}))
+    assert f"unexpected tensor {name}" in load_error(ckpt)
+
+
+def test_wrong_shape(ckpt):
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    shard = weight_map(ckpt)[name]
+    rewrite_shard(ckpt, shard, lambda t: t.update({name: t[name][:-1]}))
+    message = load_error(ckpt)
+    assert name in message and "(63, 128)" in message and "expected (64, 128)" in message
+
+
+def test_wrong_dtype(ckpt):
+    name = "model.norm.weight"
+    shard = weight_map(ckpt)[name]
+    rewrite_shard(ckpt, shard, lambda t: t.update({name: t[name].to(torch.int32)}))
+    message = load_error(ckpt)
+    assert name in message and "torch.int32" in message
+
+
+def test_fp8_weight_without_scale(tiny_dir, tmp_path):
+    path = shutil.copytree(tiny_dir("glm_moe_dsa", fp8=True), tmp_path / "fp8")
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    shard = weight_map(path)[name]
+    rewrite_shard(path, shard, lambda t: t.pop(name))
+    rewrite_index(path, lambda m: m.pop(name))
+    assert "model.layers.0.self_attn.o_proj.weight is float8_e4m3fn without its weight_scale_inv" in load_error(path)
+
+
+def test_truncated_shard(ckpt):
+    data = (ckpt / FIRST_SHARD).read_bytes()
+    (ckpt / FIRST_SHARD).write_bytes(data[: len(data) - 1000])
+    message = load_error(ckpt)
+    assert FIRST_SHARD in message and "truncated" in message
+
+
+def test_corrupt_shard_header(ckpt):
+    data = bytearray((ckpt / FIRST_SHARD).read_bytes())
+    data[8:40] = b"#" * 32
+    (ckpt / FIRST_SHARD).write_bytes(bytes(data))
+    message = load_error(ckpt)
+    assert FIRST_SHARD in message and "corrupt" in message
+
+
+def test_missing_shard_file(ckpt):
+    (ckpt / FIRST_SHARD).unlink()
+    message = load_error(ckpt)
+    assert FIRST_SHARD in message and "missing" in message
+
+
+def test_pickle_checkpoints_are_never_loaded(tmp_path, tiny_dir):
+    shutil.copy(tiny_dir() / "config.json", tmp_path / "config.json")
+    torch.save({"x": torch.ones(1)}, tmp_path / "pytorch_model.bin")
+    message = load_error(tmp_path)
+    assert "pytorch_model.bin" in message and "never loaded" in message
+
+
+def test_bad_index_file(ckpt):
+    (ckpt / "model.safetensors.index.json").write_text("[]")
+    assert "not a safetensors index" in load_error(ckpt)
