@@ -18,10 +18,17 @@ from ceilings import time_ms
 LAYER = 3  # the first MoE layer; full (owns an indexer) in GLM-5
 
 
-def glm5_layer(device="cuda", dtype=torch.bfloat16):
-    config = load_config(resources.files("glm5_offload") / "presets" / "glm-5.json")
+def glm5_config():
+    return load_config(resources.files("glm5_offload") / "presets" / "glm-5.json")
+
+
+def random_layer(config, device="cuda", dtype=torch.bfloat16):
+    """Decoder layer LAYER of config with random weights, made in place on device."""
     with torch.device("meta"):
-        layer = DecoderLayer(config, LAYER)
+        layer = DecoderLayer(config, LAYER).to(dtype)
+    layer.mlp.gate.float()
+    if layer.self_attn.indexer is not None:
+        layer.self_attn.indexer.weights_proj.float()
     layer = layer.to_empty(device=device)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -32,10 +39,7 @@ def glm5_layer(device="cuda", dtype=torch.bfloat16):
             else:
                 p.zero_()
         layer.mlp.gate.e_score_correction_bias.normal_(0, 0.01)
-        for name, p in layer.named_parameters():
-            if not name.endswith(("weights_proj.weight", "mlp.gate.weight")):
-                p.data = p.data.to(dtype)
-    return config, layer
+    return layer
 
 
 def layer_weight_bytes(config, layer) -> tuple[int, int]:
@@ -46,7 +50,8 @@ def layer_weight_bytes(config, layer) -> tuple[int, int]:
 
 
 def bench_layer(context: int, prefill_chunk: int = 512):
-    config, layer = glm5_layer()
+    config = glm5_config()
+    layer = random_layer(config)
     device, dtype = "cuda", torch.bfloat16
     cache = SimpleNamespace(
         latent={LAYER: torch.randn(context + prefill_chunk, config.latent_dim, device=device, dtype=dtype)},

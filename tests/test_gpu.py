@@ -36,12 +36,18 @@ def test_cuda_reference_matches_cpu_fp32(hf_checkpoint, arch):
 
 
 def test_cuda_reference_bf16_fp8_checkpoint(tiny_dir):
+    """bf16 on CUDA is as close to the fp32 result as bf16 on the CPU is."""
     path = tiny_dir("glm_moe_dsa", fp8=True)
     ids = torch.arange(12, 60)
-    cpu = load_model(path, dtype=torch.float32)
+    truth_model, cpu = load_model(path, dtype=torch.float32), load_model(path)
     gpu = load_model(path, device="cuda")
-    assert gpu.dtype == torch.bfloat16
-    expected = cpu(ids, cpu.new_cache(64))
-    got = gpu(ids.cuda(), gpu.new_cache(64)).cpu()
-    errors = sorted(rel_err(got[i], expected[i]) for i in range(len(ids)))
-    assert errors[len(errors) // 2] < 2e-2
+    assert gpu.dtype == cpu.dtype == torch.bfloat16
+    truth = truth_model(ids, truth_model.new_cache(64))
+
+    def median_error(model):
+        logits = model(ids.to(model.device), model.new_cache(64)).cpu()
+        return sorted(rel_err(logits[i], truth[i]) for i in range(len(ids)))[len(ids) // 2]
+
+    cpu_error, gpu_error = median_error(cpu), median_error(gpu)
+    assert cpu_error < 5e-2
+    assert gpu_error <= 1.5 * cpu_error + 5e-3
