@@ -79,17 +79,23 @@ def cmd_make_tiny(args):
 def cmd_generate(args):
     import torch
 
+    from glm5_offload.config import load_config
     from glm5_offload.engine import Engine, SamplingParams
     from glm5_offload.loader import load_model
+    from glm5_offload.planner import parse_size
+    from glm5_offload.rules import load_rules
 
     model_dir, is_default = _model_dir(args.model)
     tokenizer = _tokenizer(model_dir, required=args.prompt is not None)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise Glm5Error(f"--device {args.device}: CUDA is not available on this machine")
-    model = load_model(model_dir, device=args.device, dtype=dtype)
-    engine = Engine(model, max_seq_len=args.max_seq_len)
+    rules = load_rules(args.rules) if args.rules else None
+    max_seq_len = args.max_seq_len or load_config(model_dir).max_position_embeddings
+    budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+               "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
+    model = load_model(model_dir, device=args.device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
+                       budgets=budgets)
+    engine = Engine(model, max_seq_len=max_seq_len)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     stream = TextStream(tokenizer, engine.stop_ids, sys.stdout) if tokenizer is not None and not args.json else None
     result = engine.generate(prompt_ids, args.max_new_tokens, params, on_token=stream)
@@ -118,6 +124,52 @@ def cmd_generate(args):
           file=sys.stderr)
 
 
+def _placement(args):
+    import torch
+
+    from glm5_offload.config import load_config
+    from glm5_offload.model import build_model
+    from glm5_offload.rules import check_device, load_rules, place
+
+    config = load_config(args.model)
+    if args.device is not None:
+        check_device("--device", args.device)
+    rules = load_rules(args.rules) if args.rules else None
+    dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, config.dtype)
+    return config, place(build_model(config), rules, args.device), dtype
+
+
+def cmd_rules_show(args):
+    config, placement, dtype = _placement(args)
+    source = placement.rules.path if placement.rules else f"no rule file (all on {placement.default_device})"
+    print(f"placement of {config.path} ({config.model_type}, {config.num_hidden_layers} layers) by {source}\n")
+    print(placement.table(dtype))
+
+
+def cmd_plan(args):
+    from glm5_offload.planner import detected_budgets, make_plan, parse_size
+
+    config, placement, dtype = _placement(args)
+    budgets = detected_budgets()
+    if args.gpu_mem:
+        budgets["cuda"] = parse_size(args.gpu_mem, "--gpu-mem")
+    if args.host_mem:
+        budgets["cpu"] = parse_size(args.host_mem, "--host-mem")
+    if args.max_seq_len <= 0:
+        raise Glm5Error(f"--max-seq-len must be > 0, got {args.max_seq_len}")
+    plan = make_plan(config, placement, args.max_seq_len, budgets, kv_dtype=args.kv_dtype,
+                     expert_format=args.expert_format, dtype=dtype)
+    print(plan.table())
+    if args.json:
+        print(json.dumps({
+            "fits": plan.fits, "largest_context": plan.largest_context, "max_seq_len": plan.max_seq_len,
+            "active_expert_bytes_per_token": plan.active_expert_bytes,
+            "devices": {d.device: {"weights": d.weights, "latent_kv": d.latent_kv, "indexer_keys": d.indexer_keys,
+                                   "activations": d.activations, "workspace": d.workspace, "total": d.total,
+                                   "budget": d.budget} for d in plan.devices}}))
+    return 0 if plan.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm5", description="GLM-5 / DeepSeek-V3.2 on one workstation")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,11 +192,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--rules", help="rule file placing the modules (a path or a shipped name such as glm5-cpu)")
+    p.add_argument("--device", default=None, help="default device: cpu, cuda or cuda:N (default: the rule file's, else cpu)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--gpu-mem", help="memory the engine may use on each GPU, e.g. 24GiB (default: all)")
+    p.add_argument("--host-mem", help="host memory the engine may use, e.g. 256GiB (default: what is available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
+
+    def placement_args(p):
+        p.add_argument("--model", required=True, help="model directory, config.json, or preset (glm-5, glm-5.2, ...)")
+        p.add_argument("--rules", help="rule file (a path or a shipped name such as glm5)")
+        p.add_argument("--device", default=None, help="default device for modules no rule places")
+        p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
+
+    rules = sub.add_parser("rules", help="inspect rule files").add_subparsers(dest="rules_command", required=True)
+    p = rules.add_parser("show", help="the placement a rule file gives a model: operator, device, format, bytes")
+    placement_args(p)
+    p.set_defaults(func=cmd_rules_show)
+
+    p = sub.add_parser("plan", help="bytes per device for a placement and a context; does it fit?")
+    placement_args(p)
+    p.add_argument("--max-seq-len", type=int, required=True)
+    p.add_argument("--gpu-mem", help="memory of each GPU, e.g. 24GiB (default: detected)")
+    p.add_argument("--host-mem", help="host memory, e.g. 512GiB (default: detected available)")
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default="bf16")
+    p.add_argument("--expert-format", choices=["int4", "int8", "bf16"], default=None)
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 
@@ -152,11 +228,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="glm5: %(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except Glm5Error as e:
+        plan = getattr(e, "plan", None)
+        if plan is not None:
+            print(plan.table(), file=sys.stderr)
         print(f"glm5: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

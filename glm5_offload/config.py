@@ -7,6 +7,7 @@ field is a Glm5Error naming the file and the field.
 import json
 import math
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from .errors import Glm5Error
@@ -276,13 +277,20 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
     )
 
 
+def preset_names() -> list[str]:
+    presets = resources.files("glm5_offload") / "presets"
+    return sorted(p.name[: -len(".json")] for p in presets.iterdir() if p.name.endswith(".json"))
+
+
 def load_config(path: str | Path) -> ModelConfig:
-    """Load config.json from a file or a model directory."""
+    """Load config.json from a model directory, a file, or a shipped preset name (glm-5, glm-5.2, ...)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
+    elif not path.exists() and str(path) in preset_names():
+        path = Path(str(resources.files("glm5_offload") / "presets" / f"{path}.json"))
     if not path.is_file():
-        raise Glm5Error(f"{path}: no such config file")
+        raise Glm5Error(f"{path}: no such config file (or preset: {', '.join(preset_names())})")
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

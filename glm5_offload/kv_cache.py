@@ -11,13 +11,13 @@ from .errors import Glm5Error
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, max_seq_len: int, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, max_seq_len: int, latent_devices: list, index_devices: dict,
+                 dtype: torch.dtype):
+        """latent_devices: one device per layer; index_devices: full layer -> device of its indexer keys."""
         self.max_seq_len = max_seq_len
-        self.latent = [
-            torch.empty(max_seq_len, config.latent_dim, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)
-        ]
+        self.latent = [torch.empty(max_seq_len, config.latent_dim, device=d, dtype=dtype) for d in latent_devices]
         self.index_keys = {
-            i: torch.empty(max_seq_len, config.index_head_dim, device=device, dtype=dtype) for i in config.full_layers
+            i: torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype) for i, d in index_devices.items()
         }
         self.length = 0  # tokens whose rows are written in every layer
 

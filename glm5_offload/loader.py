@@ -20,6 +20,8 @@ from tqdm import tqdm
 from .config import ModelConfig, load_config
 from .errors import Glm5Error
 from .model import CausalLM, build_model
+from .planner import detected_budgets, make_plan
+from .rules import RuleFile, check_devices_present, place
 
 log = logging.getLogger("glm5_offload")
 
@@ -27,6 +29,17 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KEEP_FP32 = ("e_score_correction_bias", "indexer.weights_proj.weight")
+
+
+class PlanError(Glm5Error):
+    """The placement does not fit this machine; carries the plan to show."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        over = [d for d in plan.devices if not d.fits]
+        super().__init__("the model does not fit: " + ", ".join(
+            f"{d.device} needs {d.total / 2**30:.1f} GiB of {d.budget / 2**30:.1f} GiB" for d in over)
+            + f"; largest context that fits: {plan.largest_context} tokens")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -137,17 +150,43 @@ def read_tensors(model_dir: Path, config: ModelConfig, expected: dict[str, torch
     return tensors
 
 
-def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """config.json + safetensors in model_dir -> a ready CausalLM on device in dtype (default: the config's)."""
+def _to_device_hook(device: torch.device):
+    """A forward pre-hook that brings every tensor argument to the operator's device."""
+    def hook(module, args, kwargs):
+        move = lambda v: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+    return hook
+
+
+def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dtype | None = None,
+               rules: RuleFile | None = None, max_seq_len: int | None = None,
+               budgets: dict[str, int | None] | None = None) -> CausalLM:
+    """config.json + safetensors in model_dir -> a ready CausalLM placed by rules.
+
+    device: the default device (over the rule file's); dtype: compute dtype (default: the config's).
+    With max_seq_len, the planner checks the placement against the memory budgets first ('cpu',
+    'cuda'; this machine's where not given) and refuses what would not fit before anything is loaded.
+    """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
     dtype = dtype or getattr(torch, config.dtype)
     model = build_model(config)
+    placement = place(model, rules, device)
+    check_devices_present(placement)
+    if max_seq_len is not None:
+        limits = {k: v for k, v in (budgets or {}).items() if v is not None}
+        plan = make_plan(config, placement, max_seq_len, {**detected_budgets(), **limits}, dtype=dtype)
+        if not plan.fits:
+            raise PlanError(plan)
     expected = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     tensors = read_tensors(model_dir, config, expected)
     for name, t in tensors.items():
-        tensors[name] = t.to(device, torch.float32 if name.endswith(KEEP_FP32) else dtype)
+        target = placement.slot_of(name).device
+        tensors[name] = t.to(target, torch.float32 if name.endswith(KEEP_FP32) else dtype)
     if config.tie_word_embeddings:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].to(placement.slots["lm_head"].device)
     model.load_state_dict(tensors, strict=True, assign=True)
+    for slot in placement.slots.values():
+        slot.module.register_forward_pre_hook(_to_device_hook(torch.device(slot.device)), with_kwargs=True)
+    model.placement = placement
     return model.eval()

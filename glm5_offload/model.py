@@ -30,8 +30,16 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def linear(in_features: int, out_features: int) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False)
+class Linear(nn.Linear):
+    """nn.Linear without bias or initialisation: every weight comes from the checkpoint."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self):
+        pass
+
+
 
 
 class MLP(nn.Module):
@@ -39,9 +47,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inner: int):
         super().__init__()
-        self.gate_proj = linear(hidden, inner)
-        self.up_proj = linear(hidden, inner)
-        self.down_proj = linear(inner, hidden)
+        self.gate_proj = Linear(hidden, inner)
+        self.up_proj = Linear(hidden, inner)
+        self.down_proj = Linear(inner, hidden)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -103,8 +111,8 @@ class MoE(nn.Module):
 
     def forward(self, x):
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = self.experts(x, ids, weights).to(x.device)
+        return out if self.shared_experts is None else out + self.shared_experts(x).to(x.device)
 
 
 class Indexer(nn.Module):
@@ -115,10 +123,10 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim, self.topk = config.qk_rope_head_dim, config.index_topk
         self.interleaved = config.indexer_rope_interleave
-        self.wq_b = linear(config.q_lora_rank, self.n_heads * self.head_dim)
-        self.wk = linear(config.hidden_size, self.head_dim)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = linear(config.hidden_size, self.n_heads)  # kept fp32
+        self.weights_proj = Linear(config.hidden_size, self.n_heads)  # kept fp32
 
     def _rope(self, t, cos, sin):
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -134,8 +142,12 @@ class Indexer(nn.Module):
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)
         keys[start : start + S] = k
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        scores = indexer_scores(q, keys[: start + S], weights, start)
-        return topk_indices(scores, self.topk)
+        keys = keys[: start + S]
+        chunk = max(1, _SCORE_BUDGET // (self.n_heads * keys.shape[0]))
+        return torch.cat([
+            topk_indices(indexer_scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s), self.topk)
+            for s in range(0, S, chunk)
+        ])
 
 
 def indexer_scores(q, keys, weights, start: int):
@@ -188,13 +200,13 @@ class Attention(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.interleaved = config.rope_interleave
         self.scale = config.softmax_scale
-        self.q_a_proj = linear(config.hidden_size, config.q_lora_rank)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
-        self.q_b_proj = linear(config.q_lora_rank, self.n_heads * (self.nope + self.rope_dim))
-        self.kv_a_proj_with_mqa = linear(config.hidden_size, self.kv_lora_rank + self.rope_dim)
+        self.q_b_proj = Linear(config.q_lora_rank, self.n_heads * (self.nope + self.rope_dim))
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.kv_lora_rank + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
-        self.o_proj = linear(self.n_heads * self.v_dim, config.hidden_size)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
+        self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
         self.indexer = Indexer(config) if config.indexer_types[layer] == "full" else None
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, shared_indices):
@@ -213,6 +225,7 @@ class Attention(nn.Module):
             indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], start)
         else:
             indices = shared_indices
+        indices = indices.to(latent.device)
 
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
@@ -233,8 +246,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, start, shared_indices):
         h, indices = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, shared_indices)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), indices
+        x = x + h.to(x.device)
+        return x + self.mlp(self.post_attention_layernorm(x)).to(x.device), indices
+
+
+class LMHead(Linear):
+    """The output projection hidden -> vocab (its own class so a rule can place it by class)."""
 
 
 class Backbone(nn.Module):
@@ -252,12 +269,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = linear(config.hidden_size, config.vocab_size)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         with torch.device("cpu"):
             self.inv_freq, self.rope_scaling = inv_freq_and_scaling(config)
 
     @property
     def device(self) -> torch.device:
+        """Where the residual stream lives: the embedding's device."""
         return self.model.embed_tokens.weight.device
 
     @property
@@ -265,7 +283,15 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, max_seq_len: int) -> KVCache:
-        return KVCache(self.config, max_seq_len, self.device, self.dtype)
+        """A latent cache with each layer's rows on its attention's device, indexer keys on its indexer's."""
+        attention = [layer.self_attn for layer in self.model.layers]
+        return KVCache(
+            self.config,
+            max_seq_len,
+            latent_devices=[a.kv_b_proj.weight.device for a in attention],
+            index_devices={i: a.indexer.wk.weight.device for i, a in enumerate(attention) if a.indexer is not None},
+            dtype=self.dtype,
+        )
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, logits_for: str = "all") -> torch.Tensor:

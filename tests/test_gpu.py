@@ -51,3 +51,21 @@ def test_cuda_reference_bf16_fp8_checkpoint(tiny_dir):
     cpu_error, gpu_error = median_error(cpu), median_error(gpu)
     assert cpu_error < 5e-2
     assert gpu_error <= 1.5 * cpu_error + 5e-3
+
+
+@pytest.mark.parametrize("rules", ["glm5", "glm5-gpu"])
+def test_workstation_placement_matches_cpu(hf_checkpoint, rules):
+    """glm5.yaml: experts on the CPU, the rest on the GPU; activations cross between them."""
+    from glm5_offload.rules import load_rules
+
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    ids = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(1))
+    cpu = load_model(path, dtype=torch.float32)
+    placed = load_model(path, dtype=torch.float32, rules=load_rules(rules))
+    experts = placed.model.layers[1].mlp.experts[0].up_proj.weight.device.type
+    assert experts == ("cpu" if rules == "glm5" else "cuda")
+    assert placed.model.layers[1].self_attn.q_a_proj.weight.device.type == "cuda"
+    expected = cpu(ids, cpu.new_cache(64))
+    got = placed(ids, placed.new_cache(64)).cpu()
+    assert max(rel_err(got[i], expected[i]) for i in range(40)) < 1e-4
+    assert Engine(placed).generate(ids.tolist(), 24).output_ids == Engine(cpu).generate(ids.tolist(), 24).output_ids

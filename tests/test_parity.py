@@ -100,3 +100,21 @@ def test_make_tiny_checkpoint_loads_in_transformers_with_same_logits(tiny_dir, a
         theirs = hf(ids[None]).logits[0]
     model = load_model(path, dtype=torch.float32)
     assert per_position_rel_err(model(ids, model.new_cache(64)), theirs) < 1e-4
+
+
+@pytest.mark.parametrize("arch, rules", [("glm_moe_dsa", "glm5-cpu"), ("deepseek_v32", "deepseek-v3.2-cpu")])
+def test_parity_unchanged_when_placed_by_the_cpu_rule_file(hf_checkpoint, arch, rules):
+    from glm5_offload.rules import load_rules
+
+    path, hf = hf_checkpoint(arch)
+    ids = prompt(6)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+        greedy = hf.generate(ids[None], max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                             attention_mask=torch.ones(1, PROMPT_LEN, dtype=torch.long))[0, PROMPT_LEN:].tolist()
+    model = load_model(path, dtype=torch.float32, rules=load_rules(rules))
+    assert model.placement.unmatched == [] and model.placement.devices() == ["cpu"]
+    assert per_position_rel_err(model(ids, model.new_cache(64)), theirs) < 1e-4
+    engine = Engine(model)
+    engine.stop_ids = set()
+    assert engine.generate(ids.tolist(), 24).output_ids == greedy

@@ -1,0 +1,125 @@
+"""The memory planner against the formulas of GLM5.md, its verdicts, and the engine's refusal."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm5_offload.config import load_config
+from glm5_offload.errors import Glm5Error
+from glm5_offload.loader import PlanError, load_model
+from glm5_offload.model import build_model
+from glm5_offload.planner import active_expert_weights, make_plan, parse_size
+from glm5_offload.rules import load_rules, place
+
+GiB = 2**30
+
+
+@functools.cache
+def meta_model(preset):
+    return build_model(load_config(preset))
+
+
+@functools.cache
+def placed(preset, rules="glm5"):
+    return load_config(preset), place(meta_model(preset), load_rules(rules))
+
+
+def plan(preset, n, **kw):
+    config, placement = placed(preset)
+    budgets = {"cuda": kw.pop("gpu", 24 * GiB), "cpu": kw.pop("host", 512 * GiB)}
+    return make_plan(config, placement, n, budgets, **kw)
+
+
+def device(p, name):
+    return next(d for d in p.devices if d.device == name)
+
+
+def test_glm52_at_1m_tokens_equals_the_glm5_md_formulas():
+    p = plan("glm-5.2", 1_000_000, kv_dtype="fp8", expert_format="int4")
+    cuda = device(p, "cuda")
+    assert cuda.latent_kv == 78 * 656 * 1_000_000  # "78 x 656 MB = 51 GB"
+    assert round(cuda.latent_kv / 1e9) == 51
+    assert cuda.indexer_keys == 21 * 132 * 1_000_000  # "21 x 132 MB = 2.8 GB"
+    assert round(cuda.indexer_keys / 1e9, 1) == 2.8
+    unshared = plan("glm-5", 1_000_000, kv_dtype="fp8")
+    assert round(device(unshared, "cuda").indexer_keys / 1e9, 1) == 10.3  # "10.3 GB without sharing"
+    assert active_expert_weights(p.config) == 75 * 8 * 3 * 6144 * 2048  # "22.6 G weights"
+    assert round(active_expert_weights(p.config) / 1e9, 1) == 22.6
+    assert round(p.active_expert_bytes / 1e9, 1) == 11.3  # int4
+    assert round(plan("glm-5.2", 1_000_000, expert_format="int8").active_expert_bytes / 1e9, 1) == 22.6
+    assert device(p, "cpu").latent_kv == 0  # the glm5.yaml placement keeps attention and its cache on the GPU
+
+
+def test_glm5_fp8_at_200k_tokens():
+    p = plan("glm-5-fp8", 200_000, kv_dtype="bf16", expert_format="int8")
+    cuda, cpu = device(p, "cuda"), device(p, "cpu")
+    assert cuda.latent_kv == 78 * 1152 * 200_000 and cuda.indexer_keys == 78 * 256 * 200_000
+    experts = 75 * 256 * 3 * 6144 * 2048
+    assert cpu.weights == experts + experts // 128 * 4  # int8 payload + one fp32 scale per 128 weights
+    tensors = meta_model("glm-5-fp8").state_dict()
+    total = sum(t.numel() for t in tensors.values())
+    assert round(total / 1e9) == 744  # "744B params"
+    fp32 = sum(t.numel() for n, t in tensors.items() if n.endswith(("e_score_correction_bias", "weights_proj.weight")))
+    assert cuda.weights == 2 * (total - experts) + 2 * fp32  # bf16, but fp32 router bias and indexer weights_proj
+
+
+def test_verdict_and_largest_context():
+    p = plan("glm-5.2", 1_000_000, kv_dtype="fp8", expert_format="int4", gpu=80 * GiB)
+    cuda = device(p, "cuda")
+    largest = p.largest_context
+    assert largest == (80 * GiB - cuda.fixed) // cuda.per_token
+    assert plan("glm-5.2", largest, kv_dtype="fp8", expert_format="int4", gpu=80 * GiB).fits
+    assert not plan("glm-5.2", largest + 1, kv_dtype="fp8", expert_format="int4", gpu=80 * GiB).fits
+    assert not plan("glm-5.2", 1000, gpu=24 * GiB).fits  # bf16 reference weights alone exceed 24 GiB
+    assert plan("glm-5.2", 1000, gpu=24 * GiB).largest_context == 0
+
+
+@pytest.mark.parametrize("text, value", [("24GiB", 24 * GiB), ("512G", 512 * GiB), ("80GB", 80 * 10**9),
+                                         ("1.5TiB", int(1.5 * 2**40)), ("1024", 1024)])
+def test_parse_size(text, value):
+    assert parse_size(text, "--gpu-mem") == value
+
+
+def test_parse_size_rejects():
+    with pytest.raises(Glm5Error, match="--host-mem: '12 parsecs' is not a size"):
+        parse_size("12 parsecs", "--host-mem")
+
+
+def glm5(*args):
+    return subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
+                          env=os.environ, timeout=300)
+
+
+def test_plan_command():
+    proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5", "--max-seq-len", 1000000, "--gpu-mem", "160GiB",
+                "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    table, figures = proc.stdout.rsplit("\n", 2)[0], json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "latent KV fp8 (656 B/token/layer)" in table and "fits; largest context" in table
+    assert figures["fits"] and figures["devices"]["cuda"]["latent_kv"] == 78 * 656 * 1_000_000
+    over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5", "--max-seq-len", 1000000, "--gpu-mem", "24GiB",
+                "--host-mem", "512GiB")
+    assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
+
+
+def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
+    import glm5_offload.loader as loader
+
+    monkeypatch.setattr(loader, "read_tensors", lambda *a: pytest.fail("weights were read before the plan"))
+    with pytest.raises(PlanError) as e:
+        load_model(tiny_dir(), max_seq_len=4096, budgets={"cpu": 2**20})
+    assert "cpu needs" in str(e.value) and "of 0.0 GiB" in str(e.value)
+    assert "does NOT fit" in e.value.plan.table()
+    proc = glm5("generate", "--model", tiny_dir(), "--prompt-ids", "1,2", "--host-mem", "1MiB")
+    assert proc.returncode == 2 and "does NOT fit" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("glm5: error: the model does not fit")
+
+
+def test_engine_runs_when_it_fits(tiny_dir):
+    model = load_model(tiny_dir(), max_seq_len=4096, budgets={"cpu": 8 * GiB}, dtype=torch.float32)
+    assert model.placement.devices() == ["cpu"]

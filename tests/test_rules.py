@@ -1,0 +1,171 @@
+"""Rule files: the shipped placements, matching semantics, `glm5 rules show`, and every bad input."""
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5_offload.config import load_config
+from glm5_offload.errors import Glm5Error
+from glm5_offload.model import Experts, build_model
+from glm5_offload.rules import check_devices_present, load_rules, place, shipped_rule_names
+
+SHIPPED = ["glm5.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml",
+           "deepseek-v3.2.yaml", "deepseek-v3.2-cpu.yaml", "deepseek-v3.2-gpu.yaml"]
+
+
+@functools.cache
+def meta_model(preset):
+    return build_model(load_config(preset))  # placing reads the tree, never changes it
+
+
+def placement(preset, rules, device=None):
+    return place(meta_model(str(preset)), load_rules(rules), device)
+
+
+def test_shipped_rule_files():
+    assert shipped_rule_names() == sorted(SHIPPED)
+    for name in SHIPPED:
+        text = (Path(load_rules(name).path)).read_text()
+        assert text.lstrip().startswith("#")  # each explains itself
+
+
+@pytest.mark.parametrize("rules", SHIPPED)
+@pytest.mark.parametrize("preset", ["glm-5", "glm-5.2", "deepseek-v3.2"])
+def test_shipped_rules_place_every_module_and_use_every_rule(preset, rules):
+    p = placement(preset, rules)
+    assert p.unmatched == [] and p.unused_rules == []
+    on_cpu = {type(s.module) for s in p.slots.values() if s.device == "cpu"}
+    if rules.endswith("-cpu.yaml"):
+        assert p.devices() == ["cpu"]
+    elif rules.endswith("-gpu.yaml"):
+        assert p.devices() == ["cuda"]
+    else:  # the workstation default: only the routed experts on the CPU
+        assert on_cpu == {Experts}
+        assert all(s.device == "cuda" for s in p.slots.values() if not isinstance(s.module, Experts))
+
+
+def test_indexshare_shared_layers_have_no_indexer_slot():
+    p = placement("glm-5.2", "glm5")
+    indexers = [n for n in p.slots if n.endswith(".indexer")]
+    assert len(indexers) == 21 and "model.layers.3.self_attn.indexer" not in p.slots
+
+
+def write(tmp_path, text, name="rules.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_first_match_wins_and_children_inherit_the_device(tmp_path):
+    path = write(tmp_path, """
+- default: {device: cuda}
+- match: {name: '^model\\.layers\\.1$'}
+  replace: {device: cpu}
+- match: {class: Attention}
+  replace: {op: attention.reference, device: cuda:1}
+- match: {class: Attention}
+  replace: {device: cpu}
+""")
+    p = placement("glm-5", path)
+    assert p.slots["model.layers.1.mlp"].device == "cpu" and p.slots["model.layers.1.mlp"].rule == 2
+    assert p.slots["model.layers.1.input_layernorm"].device == "cpu"
+    assert p.slots["model.layers.1.self_attn"].device == "cuda:1"  # its own rule, matched before rule 4
+    assert p.slots["model.layers.1.self_attn.indexer"].device == "cuda:1"  # inherits its attention's
+    assert p.slots["model.layers.0.mlp"].device == "cuda" and p.slots["model.layers.0.mlp"].rule is None
+    assert [r.index for r in p.unused_rules] == [4]
+    assert "model.layers.0.mlp" in p.unmatched
+
+
+def test_recursive_false_owns_the_subtree(tmp_path):
+    path = write(tmp_path, """
+- match: {name: '^model\\.layers\\.2\\.self_attn$'}
+  replace: {op: attention.reference, device: cuda}
+  recursive: false
+- match: {class: Indexer}
+  replace: {device: cpu}
+""")
+    p = placement("glm-5", path)
+    assert p.slots["model.layers.2.self_attn.indexer"].device == "cuda"  # not visited by rule 2
+    assert p.slots["model.layers.5.self_attn.indexer"].device == "cpu"
+
+
+def test_command_line_device_overrides_the_file_default(tmp_path):
+    path = write(tmp_path, "- default: {device: cuda}\n- match: {class: Experts}\n  replace: {device: cpu}\n")
+    assert placement("glm-5", path).slots["model.norm"].device == "cuda"
+    assert placement("glm-5", path, "cpu").slots["model.norm"].device == "cpu"
+
+
+def test_rules_show_on_shared_configs(tmp_path):
+    for preset in ("glm-5", "glm-5.2", "glm-5-fp8", "deepseek-v3.2"):
+        table = placement(preset, "glm5").table(torch.bfloat16)
+        assert "experts.reference" in table and "total on cpu" in table and "total on cuda" in table
+        assert "warning" not in table
+    out = glm5("rules", "show", "--model", "glm-5.2", "--rules", "glm5").stdout
+    assert "model.layers.{3-77}.mlp.experts" in out and "model.layers.{0-2,6,10," in out
+    assert "total on cpu: 1350.00 GiB" in out  # 75 x 256 x 3 x 6144 x 2048 bf16 weights
+    flagged = write(tmp_path, "- match: {class: Experts}\n  replace: {device: cpu}\n"
+                              "- match: {name: 'no_such_module'}\n  replace: {device: cpu}\n")
+    table = placement("glm-5", flagged).table(torch.bfloat16)
+    assert "warning: no rule matched model.layers.{0-77}.self_attn: default operator on cpu" in table
+    assert "warning: rule 2 (name~no_such_module) matched nothing" in table
+
+
+def glm5(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True,
+                          text=True, env=os.environ, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+BAD = {
+    "malformed": ("- match: {class: Experts}\n  replace: [device: cpu\n", r"rules.yaml:3: malformed YAML"),
+    "unknown_key": ("- match: {class: Experts}\n  replace: {device: cpu}\n  recursve: false\n",
+                    "rule 1: unknown key 'recursve' in a rule"),
+    "unknown_match_key": ("- match: {klass: Experts}\n  replace: {device: cpu}\n", "rule 1: unknown key 'klass' in match"),
+    "unknown_op": ("- match: {class: Experts}\n  replace: {op: experts.turbo}\n",
+                   "rule 1: unknown operator 'experts.turbo' (registered: attention.reference, embedding.reference,"),
+    "op_for_other_class": ("- match: {class: Attention}\n  replace: {op: experts.reference}\n",
+                           "rule 1: operator experts.reference replaces Experts, not Attention"),
+    "bad_regex": ("- default: {device: cpu}\n- match: {name: 'layers.(\\d+'}\n  replace: {device: cpu}\n",
+                  "rule 2: invalid regex 'layers.(\\\\d+' in match.name"),
+    "bad_device": ("- match: {class: Experts}\n  replace: {device: gpu0}\n", "rule 1: device must be cpu, cuda or cuda:N"),
+    "kwargs": ("- match: {class: Experts}\n  replace: {op: experts.reference, kwargs: {threads: 8}}\n",
+               "rule 1: operator experts.reference takes no kwarg 'threads' (it takes none)"),
+    "empty": ("# nothing but a comment\n", "empty rule file"),
+    "not_a_list": ("match: {class: Experts}\n", "a rule file is a YAML list of rules"),
+    "unknown_class": ("- match: {class: Expert}\n  replace: {device: cpu}\n", "rule 1: unknown class 'Expert'"),
+    "no_match": ("- replace: {device: cpu}\n", "rule 1: a rule needs 'match' and 'replace'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_rule_file_is_one_line(tmp_path, case):
+    text, needle = BAD[case]
+    path = write(tmp_path, text)
+    with pytest.raises(Glm5Error) as e:
+        load_rules(path)
+    assert needle in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_rule_file_on_the_command_line_exits_2_without_traceback(tmp_path):
+    path = write(tmp_path, BAD["unknown_op"][0])
+    proc = glm5("rules", "show", "--model", "glm-5", "--rules", path, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "unknown operator 'experts.turbo'" in errors[0]
+    assert "Traceback" not in proc.stderr
+    proc = glm5("rules", "show", "--model", "glm-5", "--rules", tmp_path / "missing.yaml", check=False)
+    assert proc.returncode == 2 and "no such rule file" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_not_present(tiny_dir, tmp_path):
+    with pytest.raises(Glm5Error, match=r"glm5.yaml: rule \d+: device cuda is not present on this machine"):
+        check_devices_present(placement(tiny_dir() / "config.json", "glm5"))
+    proc = glm5("generate", "--model", tiny_dir(), "--rules", "glm5", "--prompt-ids", "1,2", check=False)
+    assert proc.returncode == 2 and "device cuda is not present" in proc.stderr and "Traceback" not in proc.stderr
