@@ -92,10 +92,46 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return weight.float() * scale
 
 
-def read_tensors(model_dir: Path, config: ModelConfig, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every expected tensor, checked, FP8 dequantised, as stored otherwise (dtype conversion is later)."""
+class LazyTensors:
+    """Tensors left in their shards, for an operator that reads and converts them itself."""
+
+    def __init__(self, model_dir: Path, located: dict[str, Path], block: tuple[int, int] | None):
+        self.model_dir, self.located, self.block = model_dir, located, block
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name not in self.located:
+            raise Glm5Error(f"{self.model_dir}: missing tensor {name}")
+        try:
+            with safe_open(self.located[name], framework="pt") as f:
+                return f.get_tensor(name)
+        except SafetensorError as e:
+            raise Glm5Error(f"{self.located[name]}: corrupt safetensors file ({e})") from None
+
+    def get(self, name: str, shape: tuple) -> torch.Tensor:
+        """The tensor as a float tensor (FP8 dequantised), checked against shape."""
+        t = self._read(name)
+        scale = self._read(name + "_scale_inv") if t.dtype == torch.float8_e4m3fn else None
+        if tuple(t.shape) != tuple(shape):
+            raise Glm5Error(f"{self.model_dir}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if scale is not None:
+            if self.block is None:
+                raise Glm5Error(f"{self.model_dir}: tensor {name} is float8_e4m3fn but config.json has no fp8 "
+                                "quantization_config")
+            return dequantize_fp8(t, scale, self.block)
+        if t.dtype not in FLOAT_DTYPES:
+            raise Glm5Error(f"{self.model_dir}: tensor {name} has dtype {t.dtype}, expected a float dtype")
+        return t
+
+
+def read_tensors(model_dir: Path, config: ModelConfig, expected: dict[str, torch.Tensor],
+                 lazy: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], LazyTensors]:
+    """Every expected tensor, checked, FP8 dequantised, as stored otherwise (dtype conversion is later).
+
+    Tensors under a `lazy` prefix are only located (their operators read them, or a cache instead).
+    """
     tensors: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
+    located: dict[str, Path] = {}
     skipped_mtp = 0
     shards = shard_files(model_dir)
     for path, listed in tqdm(shards.items(), desc="loading shards", unit="shard", disable=None):
@@ -110,7 +146,9 @@ def read_tensors(model_dir: Path, config: ModelConfig, expected: dict[str, torch
                     if layer and int(layer.group(1)) >= config.num_hidden_layers:
                         skipped_mtp += 1
                         continue
-                    if name.endswith(".weight_scale_inv"):
+                    if name.startswith(lazy) and name.removesuffix("_scale_inv") in expected:
+                        located[name] = path
+                    elif name.endswith(".weight_scale_inv"):
                         scales[name] = f.get_tensor(name)
                     elif name in expected:
                         tensors[name] = f.get_tensor(name)
@@ -122,7 +160,7 @@ def read_tensors(model_dir: Path, config: ModelConfig, expected: dict[str, torch
         log.info("skipped %d tensors of the MTP layer model.layers.%d.* (not used for decoding)",
                  skipped_mtp, config.num_hidden_layers)
 
-    missing = [n for n in expected if n not in tensors]
+    missing = [n for n in expected if n not in tensors and n not in located]
     if missing:
         raise Glm5Error(f"{model_dir}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     for name, scale in scales.items():
@@ -147,7 +185,7 @@ def read_tensors(model_dir: Path, config: ModelConfig, expected: dict[str, torch
         elif t.dtype not in FLOAT_DTYPES:
             raise Glm5Error(f"{model_dir}: tensor {name} has dtype {t.dtype}, expected bfloat16, float16, "
                             "float32 or float8_e4m3fn with weight_scale_inv")
-    return tensors
+    return tensors, LazyTensors(model_dir, located, config.fp8_block_size)
 
 
 def _to_device_hook(device: torch.device):
@@ -179,7 +217,12 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
         if not plan.fits:
             raise PlanError(plan)
     expected = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-    tensors = read_tensors(model_dir, config, expected)
+    built = [s for s in placement.slots.values() if s.op.build is not None]
+    tensors, lazy = read_tensors(model_dir, config, expected, tuple(s.name + "." for s in built))
+    for slot in tqdm(built, desc="preparing experts", unit="layer", disable=None if built else True):
+        parent, _, child = slot.name.rpartition(".")
+        slot.module = slot.op.build(slot, lazy, config, model_dir)
+        setattr(model.get_submodule(parent), child, slot.module)
     for name, t in tensors.items():
         target = placement.slot_of(name).device
         tensors[name] = t.to(target, torch.float32 if name.endswith(KEEP_FP32) else dtype)

@@ -88,6 +88,13 @@ class Experts(nn.ModuleList):
     def __init__(self, config: ModelConfig):
         super().__init__(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
 
+    def begin(self, x, ids, weights):
+        """Start the experts (MoE calls begin, then the shared expert, then finish); here: compute now."""
+        return self(x, ids, weights)
+
+    def finish(self, pending):
+        return pending
+
     def forward(self, x, ids, weights):
         """x [T, hidden], ids/weights [T, top_k] -> sum_i w_i * expert_i(x)."""
         out = torch.zeros_like(x)
@@ -111,8 +118,10 @@ class MoE(nn.Module):
 
     def forward(self, x):
         ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights).to(x.device)
-        return out if self.shared_experts is None else out + self.shared_experts(x).to(x.device)
+        pending = self.experts.begin(x, ids, weights)  # CPU experts: their input is on its way to the host
+        shared = None if self.shared_experts is None else self.shared_experts(x)  # queued meanwhile
+        out = self.experts.finish(pending).to(x.device)
+        return out if shared is None else out + shared.to(x.device)
 
 
 class Indexer(nn.Module):

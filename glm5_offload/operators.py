@@ -1,9 +1,8 @@
-"""The operator registry: the only things a rule file can name.
+"""What an operator is, and a placed one (a slot). The registry of them is registry.py.
 
 An operator replaces one class of module in the tree (its "slot"), runs on one device and holds its
 weights in one format. A slot owns its whole subtree, except the child slots it delegates (attention
-delegates its indexer, which a rule may place on its own). Reference operators are the plain-torch
-modules of model.py themselves.
+delegates its indexer, which a rule may place on its own).
 """
 
 from dataclasses import dataclass, field
@@ -11,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .model import MLP, Attention, Experts, Indexer, LMHead, RMSNorm, Router
 
 DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP32_WEIGHTS = ("e_score_correction_bias", "weights_proj.weight")  # kept fp32 whatever the format
@@ -24,6 +22,12 @@ class Operator:
     summary: str
     kwargs: tuple[str, ...] = ()  # the kwargs a rule may pass
     delegates: tuple[type, ...] = ()  # child slot classes placed by their own rules
+    devices: tuple[str, ...] = ("cpu", "cuda")  # device types it runs on
+    build = None  # (slot, lazy tensors, config, model_dir) -> module, for operators that load their own weights
+
+    def check_kwargs(self, kwargs: dict) -> str | None:
+        """What is wrong with a rule's kwargs values (their names are checked already), or None."""
+        return None
 
     def format(self, kwargs: dict, dtype: torch.dtype) -> str:
         """The weight format this operator holds: the compute dtype, for the reference operators."""
@@ -38,23 +42,6 @@ class Operator:
             size = 4 if name.endswith(FP32_WEIGHTS) else torch.empty((), dtype=dtype).element_size()
             total += t.numel() * size
         return total
-
-
-REGISTRY: dict[str, Operator] = {
-    op.name: op
-    for op in (
-        Operator("embedding.reference", nn.Embedding, "token embedding lookup"),
-        Operator("norm.reference", RMSNorm, "RMSNorm of the residual stream"),
-        Operator("attention.reference", Attention,
-                 "MLA in absorbed latent form over the DSA-selected rows (plain torch)", delegates=(Indexer,)),
-        Operator("indexer.reference", Indexer, "lightning indexer: scores, causal mask, top-k (plain torch)"),
-        Operator("mlp.reference", MLP, "SwiGLU MLP: dense layers and the shared expert"),
-        Operator("router.reference", Router, "sigmoid router, correction bias, group-limited top-k"),
-        Operator("experts.reference", Experts, "routed SwiGLU experts, one loop over the chosen experts"),
-        Operator("lm_head.reference", LMHead, "output projection to the vocabulary"),
-    )
-}
-DEFAULT_OP = {op.replaces: op for op in REGISTRY.values()}  # each slot class -> its reference operator
 
 
 @dataclass

@@ -53,10 +53,10 @@ def index_key_bytes(config: ModelConfig, kv_dtype: str) -> int:
     return config.index_head_dim * (2 if kv_dtype == "bf16" else 4)
 
 
-def expert_bytes(n_weights: int, fmt: str) -> int:
+def expert_bytes(n_weights: int, fmt: str, group: int = EXPERT_GROUP) -> int:
     """Weights in an expert format: the payload plus one fp32 scale per group for int8/int4."""
     payload = n_weights * EXPERT_FORMATS[fmt] // 8
-    return payload if fmt == "bf16" else payload + n_weights // EXPERT_GROUP * 4
+    return payload if fmt == "bf16" else payload + n_weights // group * 4
 
 
 def active_expert_weights(config: ModelConfig) -> int:
@@ -174,9 +174,12 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
     heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + config.kv_lora_rank)
     for d in devices.values():  # residual stream, norms, projections of one chunk, and the logits
         d.activations = prefill_chunk * (6 * config.hidden_size + heads) * activation_bytes + config.vocab_size * 4
-    bits = EXPERT_FORMATS[expert_format] if expert_format else torch.finfo(dtype).bits
+    if expert_format is None:  # the experts operator's own format
+        expert_format = next((s.op.format(s.kwargs, dtype) for s in placement.slots.values()
+                              if isinstance(s.module, Experts)), DTYPE_FORMATS[dtype])
+    bits = EXPERT_FORMATS.get(expert_format.split("/")[0]) or torch.finfo(dtype).bits
     active = active_expert_weights(config) * bits // 8
-    return Plan(config, placement, max_seq_len, kv_dtype, expert_format or DTYPE_FORMATS[dtype], active,
+    return Plan(config, placement, max_seq_len, kv_dtype, expert_format, active,
                 sorted(devices.values(), key=lambda d: d.device))
 
 

@@ -21,7 +21,8 @@ import yaml
 from torch import nn
 
 from .errors import Glm5Error
-from .operators import DEFAULT_OP, REGISTRY, Operator, Slot
+from .operators import Operator, Slot
+from .registry import DEFAULT_OP, REGISTRY
 
 RULE_KEYS = {"match", "replace", "recursive"}
 MATCH_KEYS = {"name", "class"}
@@ -116,6 +117,12 @@ def _parse_rule(where: str, index: int, entry) -> Rule:
         if key not in op.kwargs:
             takes = f"it takes: {', '.join(op.kwargs)}" if op.kwargs else "it takes none"
             raise Glm5Error(f"{where}: operator {op.name} takes no kwarg {key!r} ({takes})")
+    if op is not None:
+        problem = op.check_kwargs(kwargs)
+        if problem:
+            raise Glm5Error(f"{where}: operator {op.name}: {problem}")
+        if device is not None and device.split(":")[0] not in op.devices:
+            raise Glm5Error(f"{where}: operator {op.name} runs on {' or '.join(op.devices)}, not {device}")
     recursive = entry.get("recursive", True)
     if not isinstance(recursive, bool):
         raise Glm5Error(f"{where}: recursive must be true or false, got {recursive!r}")
@@ -257,6 +264,9 @@ def place(model: nn.Module, rules: RuleFile | None, default_device: str | None =
         device = (rule.device if rule and rule.device else None) or (inherited[0] if inherited else None)
         source = rule.index if rule else (inherited[1] if inherited else None)
         op = DEFAULT_OP.get(type(module))
+        if rule and rule.op and (device or default).split(":")[0] not in rule.op.devices:
+            raise Glm5Error(f"{rules.path}: rule {rule.index}: operator {rule.op.name} runs on "
+                            f"{' or '.join(rule.op.devices)}, not {device or default}")
         if rule and rule.op:
             if rule.op.replaces is not type(module):
                 raise Glm5Error(f"{rules.path}: rule {rule.index}: operator {rule.op.name} replaces "

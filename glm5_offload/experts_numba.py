@@ -1,0 +1,207 @@
+"""`experts.numba`: one MoE layer's routed experts in host RAM, computed by numba kernels on the CPU.
+
+Weights are converted once from the checkpoint (bf16 or FP8) into bf16, int8 or int4 and cached on
+disk as safetensors plus a manifest keyed by the source checkpoint and the format; the next start
+memory-maps the cache. With the router and shared expert on the GPU, the hidden state crosses to the
+CPU once per layer through pinned buffers: begin() queues that copy, the MoE block then queues the
+shared expert on the GPU, and finish() waits for the copy alone (the one synchronisation), runs the
+experts on every core while the GPU works, and queues the result's copy back.
+"""
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+from torch import nn
+
+from .errors import Glm5Error
+from .kernels import moe_cpu
+from .model import Experts
+from .operators import Operator
+
+CACHE_VERSION = 1
+_NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "F32": np.float32}
+
+
+def default_cache_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "glm5-offload" / "experts"
+
+
+def source_fingerprint(model_dir: Path) -> str:
+    """Identifies the checkpoint's bytes: its files' names, sizes and modification times."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json"))
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+def memory_map(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only memory map (nothing is read until used)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    arrays = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        arrays[name] = np.memmap(path, dtype=_NUMPY[info["dtype"]], mode="r", offset=8 + n + start,
+                                 shape=tuple(info["shape"])) if end > start else np.zeros(info["shape"], _NUMPY[info["dtype"]])
+    return arrays
+
+
+@dataclass
+class ExpertCache:
+    """One folder per (checkpoint, format, group size): a manifest and one safetensors file per layer."""
+
+    root: Path
+    model_dir: Path
+    fmt: str
+    group: int
+
+    @property
+    def folder(self) -> Path:
+        key = json.dumps([str(self.model_dir.resolve()), self.fmt, self.group, CACHE_VERSION])
+        return self.root / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def manifest(self) -> dict:
+        try:
+            manifest = json.loads((self.folder / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        same = manifest.get("fingerprint") == source_fingerprint(self.model_dir) and manifest.get("version") == CACHE_VERSION
+        return manifest if same else {}
+
+    def load(self, slot_name: str) -> dict[str, np.ndarray] | None:
+        file = self.manifest().get("layers", {}).get(slot_name)
+        if file is None or not (self.folder / file).is_file():
+            return None
+        return memory_map(self.folder / file)
+
+    def store(self, slot_name: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        file = f"{slot_name}.safetensors"
+        tmp = self.folder / f".{file}.tmp"
+        save_file(arrays, str(tmp))
+        os.replace(tmp, self.folder / file)
+        manifest = self.manifest() or {
+            "source": str(self.model_dir.resolve()), "fingerprint": source_fingerprint(self.model_dir),
+            "format": self.fmt, "group_size": self.group, "version": CACHE_VERSION, "layers": {}}
+        manifest["layers"][slot_name] = file
+        tmp = self.folder / ".manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, self.folder / "manifest.json")
+        return memory_map(self.folder / file)
+
+
+def convert_layer(slot_name: str, n_experts: int, hidden: int, inter: int, tensors, fmt: str, group: int):
+    """Read one layer's experts from the checkpoint and quantise them: w13 = [gate; up], w2 = down."""
+    def stacked(kind, shape):
+        return torch.stack([tensors.get(f"{slot_name}.{e}.{kind}_proj.weight", shape) for e in range(n_experts)])
+
+    w13 = torch.cat([stacked("gate", (inter, hidden)), stacked("up", (inter, hidden))], dim=1)
+    v13, s13 = moe_cpu.quantize(w13, fmt, group)
+    v2, s2 = moe_cpu.quantize(stacked("down", (hidden, inter)), fmt, group)
+    return {"w13": v13, "s13": s13, "w2": v2, "s2": s2}
+
+
+class NumbaExperts(nn.Module):
+    """Drop-in for Experts: forward(x, ids, weights), and begin()/finish() for overlap with the GPU."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None):
+        super().__init__()
+        self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
+        self.fmt, self.group, self.threads = fmt, group, threads
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._copied = None
+
+    def extra_repr(self) -> str:
+        return f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}"
+
+    def _compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        return moe_cpu.moe_forward(self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x, ids, weights,
+                                   threads=self.threads)
+
+    def _buffer(self, name: str, shape, dtype) -> torch.Tensor:
+        buf = self._pinned.get(name)
+        if buf is None or buf.shape[0] < shape[0]:
+            buf = torch.empty((max(shape[0], 16),) + tuple(shape[1:]), dtype=dtype, pin_memory=True)
+            self._pinned[name] = buf
+        return buf[: shape[0]]
+
+    def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """Queue the hidden state's copy to the host (CUDA), or compute at once (CPU)."""
+        if not x.is_cuda:
+            return torch.from_numpy(self._compute(x.float().numpy(), ids.numpy(), weights.float().numpy())).to(x.dtype)
+        host = [self._buffer(n, t.shape, dt) for n, t, dt in
+                (("x", x, torch.float32), ("ids", ids, torch.int64), ("w", weights, torch.float32))]
+        for buf, t in zip(host, (x, ids, weights)):
+            buf.copy_(t, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied, x
+
+    def finish(self, pending) -> torch.Tensor:
+        """The experts' sum, on the caller's device (its copy back is queued, not waited for)."""
+        if isinstance(pending, torch.Tensor):
+            return pending
+        (x_host, ids_host, w_host), copied, x = pending
+        copied.synchronize()  # the copy only: the GPU goes on with whatever was queued after it
+        out = self._compute(x_host.numpy(), ids_host.numpy(), w_host.numpy())
+        out_host = self._buffer("out", out.shape, torch.float32)
+        out_host.copy_(torch.from_numpy(out))
+        return out_host.to(x.device, non_blocking=True).to(x.dtype)
+
+    def forward(self, x, ids, weights):
+        return self.finish(self.begin(x, ids, weights))
+
+
+class NumbaExpertsOperator(Operator):
+    def check_kwargs(self, kwargs: dict) -> str | None:
+        fmt = kwargs.get("format", "int8")
+        if fmt not in moe_cpu.FORMATS:
+            return f"format must be one of {', '.join(moe_cpu.FORMATS)}, got {fmt!r}"
+        group = kwargs.get("group_size", 128)
+        if group not in moe_cpu.GROUP_SIZES:
+            return f"group_size must be one of {', '.join(map(str, moe_cpu.GROUP_SIZES))}, got {group!r}"
+        threads = kwargs.get("threads")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+            return f"threads must be a positive integer, got {threads!r}"
+        if not isinstance(kwargs.get("cache_dir", ""), str):
+            return f"cache_dir must be a path, got {kwargs['cache_dir']!r}"
+        return None
+
+    def format(self, kwargs: dict, dtype: torch.dtype) -> str:
+        fmt = kwargs.get("format", "int8")
+        return fmt if fmt == "bf16" else f"{fmt}/g{kwargs.get('group_size', 128)}"
+
+    def weight_bytes(self, module, kwargs, dtype, skip=()) -> int:
+        from .planner import expert_bytes
+
+        n = sum(p.numel() for p in module.parameters())
+        fmt, group = kwargs.get("format", "int8"), kwargs.get("group_size", 128)
+        return expert_bytes(n, fmt, group)
+
+    def build(self, slot, tensors, config, model_dir: Path) -> NumbaExperts:
+        """Memory-map the cached conversion of this layer's experts, converting it first if needed."""
+        fmt, group = slot.kwargs.get("format", "int8"), slot.kwargs.get("group_size", 128)
+        for dim in (config.hidden_size, config.moe_intermediate_size):
+            if fmt != "bf16" and dim % group:
+                raise Glm5Error(f"experts.numba: group_size {group} does not divide the expert dim {dim}")
+        cache = ExpertCache(Path(slot.kwargs.get("cache_dir") or default_cache_dir()), model_dir, fmt, group)
+        arrays = cache.load(slot.name)
+        if arrays is None:
+            arrays = cache.store(slot.name, convert_layer(
+                slot.name, config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tensors, fmt, group))
+        return NumbaExperts(arrays, fmt, group, slot.kwargs.get("threads"))
+
+
+NUMBA_EXPERTS = NumbaExpertsOperator(
+    "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
+    kwargs=("format", "group_size", "threads", "cache_dir"), devices=("cpu",))

@@ -1,0 +1,170 @@
+"""experts.numba under the rules engine: formats, the on-disk cache, parity, and bad kwargs."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from glm5_offload import experts_numba
+from glm5_offload.errors import Glm5Error
+from glm5_offload.experts_numba import NumbaExperts
+from glm5_offload.kernels import moe_cpu
+from glm5_offload.loader import load_model
+from glm5_offload.rules import load_rules
+
+from conftest import build_hf_model, rel_err
+
+PROMPT = torch.randint(12, 1000, (40,), generator=torch.Generator().manual_seed(3))
+
+
+def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml"):
+    path = tmp_path / name
+    path.write_text(f"""
+- default: {{device: cpu}}
+- match: {{name: '^model\\.layers\\.\\d+\\.mlp\\.experts$', class: Experts}}
+  replace:
+    op: experts.numba
+    device: cpu
+    kwargs: {{format: {fmt}, group_size: {group}, threads: 2, cache_dir: '{cache or tmp_path / "cache"}'}}
+  recursive: false
+""")
+    return load_rules(path)
+
+
+def logits(model, ids=PROMPT):
+    return model(ids, model.new_cache(128))
+
+
+@pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 32), ("int4", 32)])
+def test_tiny_model_runs_in_each_format(tiny_dir, tmp_path, fmt, group):
+    path = tiny_dir()
+    reference = load_model(path, dtype=torch.float32)
+    model = load_model(path, dtype=torch.float32, rules=numba_rules(tmp_path, fmt, group))
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, NumbaExperts) and experts.fmt == fmt
+    assert model.placement.slots["model.layers.1.mlp.experts"].op.name == "experts.numba"
+    ours, ref = logits(model), logits(reference)
+    # bf16 experts hold the checkpoint's own weights; int8 and int4 add their rounding, compounded over 5 layers
+    bound = {"bf16": 1e-5, "int8": 0.1, "int4": 0.4}[fmt]
+    assert rel_err(ours, ref) < bound
+
+
+def test_parity_with_transformers_in_bf16(tmp_path):
+    hf = build_hf_model("glm_moe_dsa", initializer_range=0.05).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(4, 320, (28,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        truth = hf.float()(ids[None]).logits[0]
+    model = load_model(tmp_path / "ckpt", rules=numba_rules(tmp_path, "bf16", 32))
+    assert model.dtype == torch.bfloat16
+    ours = model(ids, model.new_cache(64))
+    errors = sorted(rel_err(ours[i], truth[i]) for i in range(len(ids)))
+    assert errors[len(ids) // 2] < 2e-2
+    assert (ours.argmax(-1) == truth.argmax(-1)).float().mean() >= 0.9
+
+
+def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path):
+    """Teacher-forced over 64 greedy bf16 tokens: int8 experts pick the same next token >= 90% of the time."""
+    from glm5_offload.engine import Engine
+
+    path = tiny_dir()
+    bf16 = load_model(path, rules=numba_rules(tmp_path, "bf16", 128, name="bf16.yaml"))
+    int8 = load_model(path, rules=numba_rules(tmp_path, "int8", 32, name="int8.yaml"))
+    engine = Engine(bf16)
+    engine.stop_ids = set()
+    prompt = PROMPT[:16].tolist()
+    tokens = engine.generate(prompt, 64).output_ids
+    sequence = torch.tensor(prompt + tokens)
+    a = logits(bf16, sequence)[len(prompt) - 1 : -1].argmax(-1)
+    b = logits(int8, sequence)[len(prompt) - 1 : -1].argmax(-1)
+    assert a.tolist() == tokens
+    assert (a == b).float().mean() >= 0.9
+
+
+def test_cache_is_written_once_then_memory_mapped(tiny_dir, tmp_path, monkeypatch):
+    path = tiny_dir()
+    rules = numba_rules(tmp_path, "int4", 64)
+    first = load_model(path, rules=rules, dtype=torch.float32)
+    folders = list((tmp_path / "cache").iterdir())
+    assert len(folders) == 1
+    manifest = (folders[0] / "manifest.json").read_text()
+    assert '"format": "int4"' in manifest and '"group_size": 64' in manifest and str(path) in manifest
+    monkeypatch.setattr(experts_numba, "convert_layer", lambda *a: pytest.fail("converted again"))
+    second = load_model(path, rules=rules, dtype=torch.float32)
+    experts = second.model.layers[2].mlp.experts
+    assert isinstance(experts.w13, np.memmap) and not experts.w13.flags.writeable
+    assert torch.equal(logits(first), logits(second))
+    monkeypatch.undo()
+    load_model(path, rules=numba_rules(tmp_path, "int8", 64, name="int8.yaml"), dtype=torch.float32)
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # another format, another entry
+
+
+def test_changed_checkpoint_is_converted_again(tiny_dir, tmp_path, monkeypatch):
+    import shutil
+
+    path = shutil.copytree(tiny_dir(), tmp_path / "ckpt")
+    rules = numba_rules(tmp_path, "int8", 32)
+    load_model(path, rules=rules)
+    shard = next(path.glob("model-00002-*.safetensors"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    calls = []
+    real = experts_numba.convert_layer
+    monkeypatch.setattr(experts_numba, "convert_layer", lambda *a: calls.append(a[0]) or real(*a))
+    load_model(path, rules=rules)
+    assert len(calls) == 4  # every MoE layer of the changed checkpoint
+
+
+def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
+    from glm5_offload.loader import dequantize_fp8
+    from safetensors import safe_open
+    import json
+
+    path = tiny_dir("glm_moe_dsa", fp8=True)
+    model = load_model(path, rules=numba_rules(tmp_path, "int8", 32), dtype=torch.float32)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def weight(name):
+        with safe_open(path / index[name], "pt") as f:
+            w = f.get_tensor(name)
+        with safe_open(path / index[name + "_scale_inv"], "pt") as f:
+            return dequantize_fp8(w, f.get_tensor(name + "_scale_inv"), (128, 128))
+
+    down = torch.stack([weight(f"model.layers.3.mlp.experts.{e}.down_proj.weight") for e in range(16)])
+    values, scales = moe_cpu.quantize(down, "int8", 32)
+    experts = model.model.layers[3].mlp.experts
+    assert np.array_equal(experts.w2, values) and np.array_equal(experts.s2, scales)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ("{format: int3}", "format must be one of bf16, int8, int4"),
+    ("{group_size: 48}", "group_size must be one of 32, 64, 128"),
+    ("{threads: 0}", "threads must be a positive integer"),
+    ("{speed: 11}", "takes no kwarg 'speed'"),
+])
+def test_bad_kwargs(tmp_path, kwargs, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"- match: {{class: Experts}}\n  replace: {{op: experts.numba, device: cpu, kwargs: {kwargs}}}\n")
+    with pytest.raises(Glm5Error, match=needle):
+        load_rules(path)
+
+
+def test_numba_experts_run_on_the_cpu_only(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- match: {class: Experts}\n  replace: {op: experts.numba, device: cuda}\n")
+    with pytest.raises(Glm5Error, match="rule 1: operator experts.numba runs on cpu, not cuda"):
+        load_rules(path)
+
+
+def test_planner_counts_the_format(tmp_path):
+    from glm5_offload.config import load_config
+    from glm5_offload.model import build_model
+    from glm5_offload.planner import make_plan
+    from glm5_offload.rules import place
+
+    config = load_config("glm-5")
+    plan = make_plan(config, place(build_model(config), numba_rules(tmp_path, "int4", 128)), 1000, {})
+    cpu = next(d for d in plan.devices if d.device == "cpu")
+    experts = 75 * 256 * 3 * 6144 * 2048
+    assert plan.expert_format == "int4/g128"
+    assert cpu.weights - (cpu.weights - experts // 2 - experts // 128 * 4) == experts // 2 + experts // 32
