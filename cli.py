@@ -49,26 +49,6 @@ def _prompt_ids(text: str) -> list[int]:
         raise Glm5Error(f"--prompt-ids: {text!r} is not a comma-separated list of integers") from None
 
 
-class TextStream:
-    """Prints the text of a growing list of token ids as it is generated (whole characters only)."""
-
-    def __init__(self, tokenizer, stop_ids, out):
-        self.tokenizer, self.stop_ids, self.out = tokenizer, stop_ids, out
-        self.ids, self.printed = [], 0
-
-    def text(self) -> str:
-        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
-        return self.tokenizer.decode(ids)
-
-    def __call__(self, token_id: int):
-        self.ids.append(token_id)
-        text = self.text()
-        if not text.endswith("\ufffd"):
-            self.out.write(text[self.printed :])
-            self.out.flush()
-            self.printed = len(text)
-
-
 def cmd_make_tiny(args):
     from glm5_offload.tiny import make_tiny
 
@@ -76,7 +56,8 @@ def cmd_make_tiny(args):
     print(f"wrote a tiny {args.arch}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
 
 
-def cmd_generate(args):
+def _engine(args, tokenizer_required: bool):
+    """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags."""
     import torch
 
     from glm5_offload.config import load_config
@@ -85,9 +66,15 @@ def cmd_generate(args):
     from glm5_offload.planner import parse_size
     from glm5_offload.rules import load_rules
 
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            raise Glm5Error(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
+        import numba
+
+        torch.set_num_threads(args.cpu_threads)
+        numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))
     model_dir, is_default = _model_dir(args.model)
-    tokenizer = _tokenizer(model_dir, required=args.prompt is not None)
-    prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    tokenizer = _tokenizer(model_dir, required=tokenizer_required)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     rules = load_rules(args.rules) if args.rules else None
     max_seq_len = args.max_seq_len or load_config(model_dir).max_position_embeddings
@@ -96,8 +83,20 @@ def cmd_generate(args):
     model = load_model(model_dir, device=args.device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
                        budgets=budgets)
     engine = Engine(model, max_seq_len=max_seq_len)
+    if args.ignore_eos:
+        engine.stop_ids = set()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    stream = TextStream(tokenizer, engine.stop_ids, sys.stdout) if tokenizer is not None and not args.json else None
+    return engine, tokenizer, params, model_dir, is_default
+
+
+def cmd_generate(args):
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=args.prompt is not None)
+    prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    stream = None
+    if tokenizer is not None and not args.json:
+        from glm5_offload.chat import ReplyStream
+
+        stream = ReplyStream(tokenizer, engine.stop_ids, False, lambda piece, _: print(piece, end="", flush=True))
     result = engine.generate(prompt_ids, args.max_new_tokens, params, on_token=stream)
     text = None
     if tokenizer is not None:
@@ -122,6 +121,26 @@ def cmd_generate(args):
     print(f"glm5: {len(result.prompt_ids)} prompt tokens at {result.prefill_tokens_per_s:.1f} tok/s, "
           f"{len(result.output_ids)} new tokens at {result.decode_tokens_per_s:.1f} tok/s, stop: {result.stop_reason}",
           file=sys.stderr)
+
+
+def cmd_chat(args):
+    from glm5_offload.chat import Conversation, run_chat
+
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True)
+    conversation = Conversation(engine, tokenizer, params, max_new_tokens=args.max_new_tokens, system=args.system,
+                                thinking=not args.no_think, reasoning_effort=args.reasoning_effort)
+    banner = (f"glm5 chat: {model_dir}" + (" (the embedded tiny model: random weights, its replies are noise)"
+                                            if is_default else "")
+              + f" · max context {engine.max_seq_len} · thinking {'off' if args.no_think else args.reasoning_effort}")
+    run_chat(conversation, banner, show_thinking=not args.hide_think)
+
+
+def cmd_serve(args):
+    from glm5_offload.server import serve
+
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True)
+    serve(engine, tokenizer, model_dir.name, args.host, args.port, max_new_tokens=args.max_new_tokens,
+          defaults=params, random_weights=is_default)
 
 
 def _placement(args):
@@ -181,25 +200,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny)
 
+    def engine_args(p, temperature: float, top_p: float, max_new_tokens: int):
+        p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, random weights)")
+        p.add_argument("--rules", help="rule file placing the modules (a path or a shipped name such as glm5-cpu)")
+        p.add_argument("--device", default=None,
+                       help="default device: cpu, cuda or cuda:N (default: the rule file's, else cpu)")
+        p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                       help="compute dtype (default: the checkpoint's)")
+        p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
+        p.add_argument("--gpu-mem", help="memory the engine may use on each GPU, e.g. 24GiB (default: all)")
+        p.add_argument("--host-mem", help="host memory the engine may use, e.g. 256GiB (default: what is available)")
+        p.add_argument("--cpu-threads", type=int, default=None, help="CPU threads for torch and the numba experts")
+        p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+        p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
+        p.add_argument("--top-p", type=float, default=top_p)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-turn tokens")
+
     p = sub.add_parser("generate", help="complete a prompt")
-    p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, random weights)")
+    engine_args(p, temperature=0.0, top_p=1.0, max_new_tokens=32)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, tokenized by the model's own tokenizer")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--rules", help="rule file placing the modules (a path or a shipped name such as glm5-cpu)")
-    p.add_argument("--device", default=None, help="default device: cpu, cuda or cuda:N (default: the rule file's, else cpu)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--gpu-mem", help="memory the engine may use on each GPU, e.g. 24GiB (default: all)")
-    p.add_argument("--host-mem", help="host memory the engine may use, e.g. 256GiB (default: what is available)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat in the terminal, the model's own chat template, streamed replies")
+    engine_args(p, temperature=1.0, top_p=0.95, max_new_tokens=2048)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--reasoning-effort", choices=["max", "high"], default="max")
+    p.add_argument("--no-think", action="store_true", help="turn thinking off")
+    p.add_argument("--hide-think", action="store_true", help="do not show the thinking text (shown dimmed otherwise)")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint: /v1/chat/completions, /v1/models, /health")
+    engine_args(p, temperature=1.0, top_p=0.95, max_new_tokens=2048)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_serve)
 
     def placement_args(p):
         p.add_argument("--model", required=True, help="model directory, config.json, or preset (glm-5, glm-5.2, ...)")

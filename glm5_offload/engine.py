@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from .errors import Glm5Error
 from .model import CausalLM
@@ -47,13 +48,18 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 class GenerationResult:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
-    stop_reason: str = "length"  # "eos" | "length"
+    stop_reason: str = "length"  # "eos" | "length" | "stop" (on_token asked)
+    reused_tokens: int = 0  # prompt tokens whose cache rows were kept from before
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
     @property
+    def prefilled_tokens(self) -> int:
+        return len(self.prompt_ids) - self.reused_tokens
+
+    @property
     def prefill_tokens_per_s(self) -> float:
-        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -67,7 +73,19 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class Engine:
+    """One sequence's engine. Its latent cache outlives a generate() call: the next prompt that starts
+    with the same tokens (a chat's next turn, a request extending the last conversation) prefills only
+    what is new."""
+
     def __init__(self, model: CausalLM, max_seq_len: int | None = None, prefill_chunk: int = 2048):
         self.model = model
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
@@ -76,21 +94,40 @@ class Engine:
                             f"{model.config.max_position_embeddings}")
         self.prefill_chunk = prefill_chunk
         self.stop_ids = set(model.config.eos_token_ids)
+        self.cache = None
+        self.cache_ids: list[int] = []  # the tokens whose rows the cache holds, in order
 
-    def prefill(self, cache, ids: list[int]) -> torch.Tensor:
-        """Run ids through the model in chunks; the last token's logits [vocab]."""
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
-        for s in range(0, len(ids), self.prefill_chunk):
-            logits = self.model(tokens[s : s + self.prefill_chunk], cache, logits_for="last")
+    def reset(self):
+        """Forget the cached context."""
+        self.cache_ids = []
+        if self.cache is not None:
+            self.cache.length = 0
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        """Append ids to the cache; the last one's logits [vocab]."""
+        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.model.device), self.cache, logits_for="last")
+        self.cache_ids.extend(ids)
         return logits[-1]
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run ids through the model in chunks (a progress bar when there are several); the last logits."""
+        chunks = range(0, len(ids), self.prefill_chunk)
+        bar = tqdm(total=len(ids), desc="prefill", unit="tok", disable=None if len(chunks) > 1 else True, leave=False)
+        for s in chunks:
+            logits = self._feed(ids[s : s + self.prefill_chunk])
+            bar.update(min(self.prefill_chunk, len(ids) - s))
+        bar.close()
+        return logits
 
     def generate(
         self,
         prompt_ids: list[int],
         max_new_tokens: int,
         params: SamplingParams = SamplingParams(),
-        on_token: Callable[[int], None] | None = None,
+        on_token: Callable[[int], bool | None] | None = None,
     ) -> GenerationResult:
+        """Greedy or sampled continuation of prompt_ids. on_token(id) is called for each new token;
+        returning True stops the generation there (stop_reason "stop")."""
         params.check()
         if not prompt_ids:
             raise Glm5Error("the prompt is empty")
@@ -104,24 +141,30 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
-        result = GenerationResult(prompt_ids=list(prompt_ids))
-        cache = self.model.new_cache(len(prompt_ids) + max_new_tokens)
+        if self.cache is None:
+            self.cache = self.model.new_cache(self.max_seq_len)
+        # keep the cached prefix the prompt shares (at least one prompt token is run, for its logits)
+        del self.cache_ids[self.cache.length :]
+        keep = min(common_prefix(self.cache_ids, prompt_ids), len(prompt_ids) - 1)
+        del self.cache_ids[keep:]
+        self.cache.length = keep
+        result = GenerationResult(prompt_ids=list(prompt_ids), reused_tokens=keep)
         device = self.model.device
 
         t0 = time.perf_counter()
-        logits = self.prefill(cache, prompt_ids)
+        logits = self.prefill(prompt_ids[keep:])
         _sync(device)
         result.prefill_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         for step in range(max_new_tokens):
             if step:
-                token = torch.tensor([result.output_ids[-1]], device=device)
-                logits = self.model(token, cache, logits_for="last")[-1]
+                logits = self._feed(result.output_ids[-1:])
             next_id = sample(logits, params, generator)
             result.output_ids.append(next_id)
-            if on_token is not None:
-                on_token(next_id)
+            if on_token is not None and on_token(next_id):
+                result.stop_reason = "stop"
+                break
             if next_id in self.stop_ids:
                 result.stop_reason = "eos"
                 break

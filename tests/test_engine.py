@@ -67,7 +67,28 @@ def test_chunked_prefill_equals_one_shot(engine):
     model = engine.model
     one = model(torch.tensor(PROMPT), model.new_cache(64))[-1]
     chunked = Engine(model, max_seq_len=64, prefill_chunk=3)
-    assert torch.allclose(chunked.prefill(model.new_cache(64), PROMPT), one, rtol=1e-5, atol=1e-5)
+    chunked.cache = model.new_cache(64)
+    assert torch.allclose(chunked.prefill(PROMPT), one, rtol=1e-5, atol=1e-5)
+    assert chunked.cache_ids == PROMPT and chunked.cache.length == len(PROMPT)
+
+
+def test_a_prompt_extending_the_last_one_prefills_only_its_new_tokens(engine):
+    first = engine.generate(PROMPT, 6)
+    history = PROMPT + first.output_ids
+    follow = history + [50, 51, 52]
+    second = engine.generate(follow, 6)
+    assert second.reused_tokens == len(history) - 1  # the last reply token was never fed: it is run now
+    assert second.prefilled_tokens == 4
+    fresh = Engine(engine.model, max_seq_len=256)
+    assert fresh.generate(follow, 6).output_ids == second.output_ids
+    diverged = engine.generate(PROMPT[:5] + [7, 7, 7], 3)
+    assert diverged.reused_tokens == 5
+
+
+def test_on_token_can_stop_the_generation(engine):
+    seen = []
+    result = engine.generate(PROMPT, 10, on_token=lambda t: seen.append(t) or len(seen) == 3)
+    assert result.stop_reason == "stop" and result.output_ids == seen and len(seen) == 3
 
 
 @pytest.mark.parametrize("prompt, n, params, match", [

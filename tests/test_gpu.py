@@ -69,3 +69,30 @@ def test_workstation_placement_matches_cpu(hf_checkpoint, rules):
     got = placed(ids, placed.new_cache(64)).cpu()
     assert max(rel_err(got[i], expected[i]) for i in range(40)) < 1e-4
     assert Engine(placed).generate(ids.tolist(), 24).output_ids == Engine(cpu).generate(ids.tolist(), 24).output_ids
+
+
+def test_numba_experts_with_router_and_shared_expert_on_the_gpu(tiny_dir, tmp_path):
+    """The hidden state crosses to the CPU through pinned buffers once per layer; results match all-CPU."""
+    from glm5_offload.experts_numba import NumbaExperts
+    from glm5_offload.rules import load_rules
+
+    rules = tmp_path / "numba.yaml"
+    rules.write_text(f"""
+- default: {{device: cuda}}
+- match: {{class: Experts}}
+  replace: {{op: experts.numba, device: cpu, kwargs: {{format: int8, group_size: 32, cache_dir: '{tmp_path}'}}}}
+  recursive: false
+""")
+    cpu_rules = tmp_path / "numba-cpu.yaml"
+    cpu_rules.write_text(rules.read_text().replace("device: cuda", "device: cpu"))
+    path = tiny_dir()
+    mixed = load_model(path, dtype=torch.float32, rules=load_rules(rules))
+    cpu = load_model(path, dtype=torch.float32, rules=load_rules(cpu_rules))
+    experts = mixed.model.layers[1].mlp.experts
+    assert isinstance(experts, NumbaExperts) and mixed.model.layers[1].mlp.gate.weight.is_cuda
+    ids = torch.arange(12, 60)
+    expected = cpu(ids, cpu.new_cache(64))
+    got = mixed(ids.cuda(), mixed.new_cache(64)).cpu()
+    assert max(rel_err(got[i], expected[i]) for i in range(len(ids))) < 1e-4
+    assert all(t.is_pinned() for t in experts._pinned.values())
+    assert Engine(mixed).generate(ids.tolist(), 16).output_ids == Engine(cpu).generate(ids.tolist(), 16).output_ids

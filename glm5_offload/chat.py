@@ -1,0 +1,218 @@
+"""A chat conversation over the engine, and `glm5 chat`, its terminal front end.
+
+The model directory's own chat template (through transformers) renders the turns. Each turn sends the
+model the tokens it already saw (its prompts and its own replies, as generated) plus the template's
+text for what is new, so the engine's cache is reused and a turn prefills only its new tokens.
+"""
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .engine import Engine, GenerationResult, SamplingParams
+from .errors import Glm5Error
+
+THINK_END = "</think>"
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+HELP = """commands:
+  /help          this text
+  /reset         forget the conversation (and its cache)
+  /save FILE     write the conversation as JSON
+  /load FILE     read a conversation written by /save
+  /stats         tokens and speeds so far
+  Ctrl-C stops a reply and keeps the session; Ctrl-D exits."""
+
+
+@dataclass
+class Turn:
+    reasoning: str
+    content: str
+    result: GenerationResult
+    interrupted: bool = False
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
+    """Generated text -> (reasoning, answer): with thinking on, the reasoning runs up to </think>."""
+    if not thinking:
+        return "", text
+    reasoning, sep, content = text.partition(THINK_END)
+    return (reasoning, content.lstrip("\n")) if sep else (text, "")
+
+
+@dataclass
+class Conversation:
+    engine: Engine
+    tokenizer: object
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 1024
+    system: str | None = None
+    thinking: bool = True
+    reasoning_effort: str = "max"
+    messages: list[dict] = field(default_factory=list)
+    history_ids: list[int] = field(default_factory=list)  # what the model saw: prompts and replies as generated
+    rendered: str = ""  # the template's text for `messages`, to find what a new turn adds
+
+    def __post_init__(self):
+        if not self.messages and self.system:
+            self.messages = [{"role": "system", "content": self.system}]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            enable_thinking=self.thinking, reasoning_effort=self.reasoning_effort)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_for(self, messages: list[dict]) -> list[int]:
+        full = self.render(messages, add_generation_prompt=True)
+        if self.history_ids and full.startswith(self.rendered):
+            return self.history_ids + self.encode(full[len(self.rendered):])
+        return self.encode(full)
+
+    def ask(self, user_text: str, on_text=None) -> Turn:
+        """One turn: the reply streams to on_text(piece, is_reasoning); Ctrl-C ends it early, kept."""
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        prompt = self.prompt_for(messages)
+        stream = ReplyStream(self.tokenizer, self.engine.stop_ids, self.thinking, on_text)
+        interrupted = False
+        started = time.perf_counter()
+        try:
+            result = self.engine.generate(prompt, self.max_new_tokens, self.params, on_token=stream)
+        except KeyboardInterrupt:  # what was run through the model stays: the cache holds it
+            interrupted = True
+            fed = self.engine.cache_ids[len(prompt):] if self.engine.cache_ids[: len(prompt)] == prompt else []
+            result = GenerationResult(prompt_ids=prompt, output_ids=fed, stop_reason="interrupted",
+                                      decode_seconds=time.perf_counter() - started)
+        reply = [t for t in result.output_ids if t not in self.engine.stop_ids]
+        reasoning, content = split_reasoning(self.tokenizer.decode(reply), self.thinking)
+        self.messages = messages + [{"role": "assistant", "content": content, "reasoning_content": reasoning}]
+        self.history_ids = prompt + reply
+        self.rendered = self.render(self.messages, add_generation_prompt=False)
+        return Turn(reasoning, content, result, interrupted)
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.history_ids, self.rendered = [], ""
+        self.engine.reset()
+
+    def save(self, path: str):
+        with open(path, "w") as f:
+            json.dump({"messages": self.messages, "thinking": self.thinking,
+                       "reasoning_effort": self.reasoning_effort}, f, indent=2)
+
+    def load(self, path: str):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise Glm5Error(f"{path}: cannot read a saved conversation ({e})") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise Glm5Error(f"{path}: 'messages' must be a list of {{role, content}} objects")
+        self.messages = messages
+        self.history_ids, self.rendered = [], ""
+
+
+class ReplyStream:
+    """Decodes tokens as they come and hands on whole characters, the reasoning part marked as such."""
+
+    def __init__(self, tokenizer, stop_ids, thinking: bool, on_text):
+        self.tokenizer, self.stop_ids, self.on_text = tokenizer, stop_ids, on_text
+        self.in_reasoning, self.ids, self.sent, self.strip_newline = thinking, [], 0, False
+
+    def __call__(self, token_id: int):
+        if self.on_text is None or token_id in self.stop_ids:
+            return
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character still being spelled out in bytes
+            return
+        if self.in_reasoning:
+            end = text.find(THINK_END)
+            if end < 0:  # hold back what could be the start of </think>
+                safe = len(text) - len(THINK_END) + 1
+                if safe > self.sent:
+                    self.on_text(text[self.sent : safe], True)
+                    self.sent = safe
+                return
+            if end > self.sent:
+                self.on_text(text[self.sent : end], True)
+            self.in_reasoning, self.sent, self.strip_newline = False, end + len(THINK_END), True
+        piece, self.sent = text[self.sent :], len(text)
+        if self.strip_newline:
+            piece = piece.lstrip("\n")
+            self.strip_newline = not piece
+        if piece:
+            self.on_text(piece, False)
+
+
+def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True, inp=input, out=sys.stdout):
+    """The read-eval-print loop of `glm5 chat`."""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    engine = conversation.engine
+    totals = {"turns": 0, "prefilled": 0, "generated": 0}
+    print(banner, file=out)
+    print("type /help for commands", file=out)
+
+    def show(piece: str, reasoning: bool):
+        if reasoning and not show_thinking:
+            return
+        out.write(f"{DIM}{piece}{RESET}" if reasoning else piece)
+        out.flush()
+
+    while True:
+        try:
+            line = inp("\n> ")
+        except EOFError:
+            print(file=out)
+            return
+        except KeyboardInterrupt:
+            print(file=out)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            command, _, arg = line.partition(" ")
+            arg = arg.strip()
+            try:
+                if command == "/help":
+                    print(HELP, file=out)
+                elif command == "/reset":
+                    conversation.reset()
+                    print("conversation cleared", file=out)
+                elif command == "/save" and arg:
+                    conversation.save(arg)
+                    print(f"saved {len(conversation.messages)} messages to {arg}", file=out)
+                elif command == "/load" and arg:
+                    conversation.load(arg)
+                    print(f"loaded {len(conversation.messages)} messages from {arg}", file=out)
+                elif command == "/stats":
+                    print(f"turns {totals['turns']}, prefilled {totals['prefilled']} tokens, generated "
+                          f"{totals['generated']} tokens, context {len(engine.cache_ids)} of {engine.max_seq_len}",
+                          file=out)
+                else:
+                    print(f"unknown command {line!r}; /help lists them", file=out)
+            except Glm5Error as e:
+                print(f"error: {e}", file=out)
+            continue
+        try:
+            turn = conversation.ask(line, on_text=show)
+        except Glm5Error as e:
+            print(f"\nerror: {e}", file=out)
+            continue
+        r = turn.result
+        totals["turns"] += 1
+        totals["prefilled"] += r.prefilled_tokens
+        totals["generated"] += len(r.output_ids)
+        note = " [interrupted]" if turn.interrupted else ""
+        print(f"{RESET}{note}\n[prefill {r.prefilled_tokens} tok at {r.prefill_tokens_per_s:.1f} tok/s · decode "
+              f"{len(r.output_ids)} tok at {r.decode_tokens_per_s:.1f} tok/s · context {len(engine.cache_ids)}"
+              f"/{engine.max_seq_len}]", file=out)

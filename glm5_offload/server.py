@@ -1,0 +1,262 @@
+"""`glm5 serve`: an OpenAI-compatible endpoint over the one engine.
+
+POST /v1/chat/completions (plain JSON, or server-sent events with "stream": true), GET /v1/models,
+GET /health. Requests queue on a lock and run one at a time; the engine's cache carries over, so a
+request that extends the previous conversation prefills only what is new. A client that goes away
+mid-stream stops its generation at the next token. Errors are JSON with the OpenAI error shape.
+"""
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .chat import ReplyStream, split_reasoning
+from .engine import Engine, SamplingParams
+from .errors import Glm5Error
+
+ROLES = ("system", "user", "assistant", "tool", "observation")
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def _number(body, name, kind, default, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not ok or (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        bounds = f" in {'(' if low_open else '['}{low}, {high}]" if low is not None and high is not None else (
+            f" >= {low}" if low is not None else "")
+        raise RequestError(400, f"'{name}' must be a {'number' if kind is float else 'integer'}{bounds}, got {value!r}",
+                           name)
+    return value
+
+
+def parse_request(body, default_max_tokens: int, defaults: SamplingParams = SamplingParams()):
+    """The chat completion request's fields, checked; RequestError names the field at fault."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise RequestError(400, f"messages[{i}] must be an object with 'role' ({', '.join(ROLES)}) and "
+                                    "string 'content'", f"messages[{i}]")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+                             or len(stop) > 4):
+        raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    if not isinstance(body.get("stream", False), bool):
+        raise RequestError(400, "'stream' must be a boolean", "stream")
+    if body.get("n", 1) != 1:
+        raise RequestError(400, "'n' must be 1", "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", int, default_max_tokens, low=1)
+    params = SamplingParams(
+        temperature=_number(body, "temperature", float, defaults.temperature, 0, 2),
+        top_p=_number(body, "top_p", float, defaults.top_p, 0, 1, low_open=True),
+        top_k=defaults.top_k,
+        seed=_number(body, "seed", int, defaults.seed),
+    )
+    thinking = body.get("enable_thinking", True)
+    if not isinstance(thinking, bool):
+        raise RequestError(400, "'enable_thinking' must be a boolean", "enable_thinking")
+    return messages, params, max_tokens, stop or [], body.get("stream", False), thinking
+
+
+class Service:
+    """The engine behind the endpoint, one request at a time."""
+
+    def __init__(self, engine: Engine, tokenizer, model_id: str, max_new_tokens: int, defaults: SamplingParams):
+        self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
+        self.max_new_tokens, self.defaults = max_new_tokens, defaults
+        self.lock = threading.Lock()
+        self.last = None  # the last request's GenerationResult
+
+    def prompt(self, messages, thinking: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  enable_thinking=thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def complete(self, body, emit=None) -> dict:
+        """Run one request; emit(kind, text) gets the reply as it streams, and its return True stops it."""
+        messages, params, max_tokens, stop, _, thinking = parse_request(body, self.max_new_tokens, self.defaults)
+        prompt = self.prompt(messages, thinking)
+        limit = self.engine.max_seq_len
+        if len(prompt) + max_tokens > limit:
+            raise RequestError(400, f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: more than "
+                                    f"the context limit of {limit} tokens", "messages", "context_length_exceeded")
+        state = {"text": "", "stopped": False, "gone": False}
+
+        def on_text(piece: str, reasoning: bool):
+            if reasoning:
+                if emit is not None and emit("reasoning_content", piece):
+                    state["gone"] = True
+                return
+            state["text"] += piece
+            cut = min((i for i in (state["text"].find(s) for s in stop) if i >= 0), default=-1)
+            if cut >= 0:  # a stop string: keep the text before it, end here
+                piece = piece[: max(0, len(piece) - (len(state["text"]) - cut))]
+                state["text"], state["stopped"] = state["text"][:cut], True
+            if piece and emit is not None and emit("content", piece):
+                state["gone"] = True
+
+        stream = ReplyStream(self.tokenizer, self.engine.stop_ids, thinking, on_text)
+
+        def on_token(token_id):
+            stream(token_id)
+            return state["stopped"] or state["gone"]
+
+        with self.lock:
+            result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
+        reply = [t for t in result.output_ids if t not in self.engine.stop_ids]
+        reasoning, content = split_reasoning(self.tokenizer.decode(reply), thinking)
+        if state["stopped"]:
+            content = state["text"]
+        finish = "length" if result.stop_reason == "length" else "stop"
+        message = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_id,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(result.output_ids),
+                      "total_tokens": len(prompt) + len(result.output_ids),
+                      "prompt_tokens_details": {"cached_tokens": result.reused_tokens}},
+        }
+
+
+class Handler(BaseHTTPRequestHandler):
+    service: Service  # set on the subclass serve() makes
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # one line per request on stderr, as http.server does, minus noise
+        pass
+
+    def _json(self, status: int, payload: dict):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, param=None, code=None):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        elif self.path == "/v1/models":
+            self._json(200, {"object": "list", "data": [
+                {"id": self.service.model_id, "object": "model", "created": 0, "owned_by": "glm5-offload"}]})
+        else:
+            self._error(404, f"no route GET {self.path}")
+
+    def do_POST(self):
+        if self.path != "/v1/chat/completions":
+            self._error(404, f"no route POST {self.path}")
+            return
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"null")
+        except (ValueError, UnicodeDecodeError):
+            self._error(400, "the request body is not valid JSON")
+            return
+        try:
+            if isinstance(body, dict) and body.get("stream") is True:
+                self._stream(body)
+            else:
+                self._json(200, self.service.complete(body))
+        except RequestError as e:
+            self._error(e.status, str(e), e.param, e.code)
+        except Glm5Error as e:
+            self._error(400, str(e))
+
+    def _stream(self, body):
+        parse_request(body, self.service.max_new_tokens, self.service.defaults)  # bad requests get a JSON error, not a stream
+        chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        started = False
+
+        def send(payload) -> bool:
+            """One event; True when the client has gone (generation then stops)."""
+            nonlocal started
+            try:
+                if not started:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    started = True
+                data = payload if isinstance(payload, str) else json.dumps(payload)
+                self.wfile.write(f"data: {data}\n\n".encode())
+                self.wfile.flush()
+                return False
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+
+        def chunk(delta, finish=None, usage=None):
+            payload = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                       "model": self.service.model_id,
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            if usage is not None:
+                payload["usage"], payload["choices"] = usage, []
+            return send(payload)
+
+        first = {"sent": False}
+
+        def emit(kind, text):
+            if not first["sent"]:
+                first["sent"] = True
+                if chunk({"role": "assistant", "content": ""}):
+                    return True
+            return chunk({kind: text})
+
+        result = self.service.complete(body, emit)
+        if not first["sent"]:
+            chunk({"role": "assistant", "content": ""})
+        chunk({}, finish=result["choices"][0]["finish_reason"])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk({}, usage=result["usage"])
+        send("[DONE]")
+        self.close_connection = True
+
+
+def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1", port: int = 8000,
+                max_new_tokens: int = 2048, defaults: SamplingParams = SamplingParams(temperature=1.0, top_p=0.95)
+                ) -> ThreadingHTTPServer:
+    """defaults: the sampling a request gets for the fields it leaves out."""
+    service = Service(engine, tokenizer, model_id, max_new_tokens, defaults)
+    handler = type("BoundHandler", (Handler,), {"service": service})
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as e:
+        raise Glm5Error(f"cannot listen on {host}:{port} ({e.strerror})") from None
+    server.daemon_threads = True
+    return server
+
+
+def serve(engine: Engine, tokenizer, model_id: str, host: str, port: int, max_new_tokens: int,
+          defaults: SamplingParams, random_weights: bool):
+    server = make_server(engine, tokenizer, model_id, host, port, max_new_tokens, defaults)
+    note = " (the embedded tiny model: random weights)" if random_weights else ""
+    print(f"glm5 serve: {model_id}{note} on http://{host}:{server.server_address[1]}/v1 "
+          "(POST /v1/chat/completions, GET /v1/models, GET /health); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

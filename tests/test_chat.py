@@ -1,0 +1,131 @@
+"""glm5 chat driven through a pseudo-terminal, as a person would use it."""
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import sys
+import time
+
+STATS = re.compile(r"\[prefill (\d+) tok at [\d.]+ tok/s · decode (\d+) tok at [\d.]+ tok/s · context (\d+)/(\d+)\]")
+
+
+class Terminal:
+    """A child process on a pty: type into it, wait for what it prints."""
+
+    def __init__(self, *args, env=None):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.execvpe(sys.executable, [sys.executable, "-m", "glm5_offload.cli", *map(str, args)],
+                       {**os.environ, **(env or {}), "TERM": "dumb"})
+        self.output = ""
+
+    def expect(self, pattern, timeout=120.0):
+        """Read until pattern matches the output after what was already consumed; return the match."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            match = regex.search(self.output)
+            if match:
+                self.output = self.output[match.end():]
+                return match
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"timed out waiting for {pattern!r}; output so far:\n{self.output[-2000:]}")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.fd, 65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    raise AssertionError(f"the chat exited while waiting for {pattern!r}:\n{self.output[-2000:]}")
+                self.output += data.decode(errors="replace")
+
+    def send(self, text: str):
+        os.write(self.fd, text.encode())
+
+    def wait(self, timeout=60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            if select.select([self.fd], [], [], 0.1)[0]:
+                try:
+                    self.output += os.read(self.fd, 65536).decode(errors="replace")
+                except OSError:  # the child closed its side of the terminal
+                    time.sleep(0.05)
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError("the chat did not exit")
+
+
+def suffix_tokens(tiny_dir, text):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dir))
+    return len(tok.encode(f"<|user|>\n{text}<|assistant|>\n<think>", add_special_tokens=False))
+
+
+def test_two_turns_save_and_load(tiny_dir, tmp_path):
+    path = tiny_dir()
+    term = Terminal("chat", "--model", path, "--temperature", 0, "--max-new-tokens", 8, "--system", "Be brief.")
+    term.expect(r"glm5 chat: .*thinking max")
+    term.expect(r"\n> ")
+    term.send("Hello there\r")
+    first = term.expect(STATS)
+    term.expect(r"\n> ")
+    term.send("And again\r")
+    second = term.expect(STATS)
+    assert int(first.group(1)) > 10  # system + first message, all new
+    new = suffix_tokens(path, "And again")
+    assert int(second.group(1)) in (new, new + 1)  # + the last reply token, which was sampled but never run
+    assert int(second.group(3)) > int(first.group(3))
+    term.expect(r"\n> ")
+    saved = tmp_path / "conversation.json"
+    term.send(f"/save {saved}\r")
+    term.expect(r"saved 5 messages")
+    messages = json.loads(saved.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert messages[3]["content"] == "And again"
+    term.send("/reset\r")
+    term.expect("conversation cleared")
+    term.send(f"/load {saved}\r")
+    term.expect(r"loaded 5 messages")
+    term.send("/stats\r")
+    term.expect(r"turns 2, prefilled \d+ tokens, generated \d+ tokens")
+    term.send("/load /nonexistent.json\r")
+    term.expect(r"error: /nonexistent.json: cannot read a saved conversation")
+    term.expect(r"\n> ")
+    term.send("\x04")  # Ctrl-D
+    assert term.wait() == 0
+
+
+def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_dir):
+    term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3000, "--ignore-eos",
+                    "--hide-think")
+    term.expect(r"\n> ")
+    term.send("Tell me a long story\r")
+    time.sleep(3)  # the reply is being generated (3000 tokens take far longer)
+    term.send("\x03")  # Ctrl-C
+    stats = term.expect(r"\[interrupted\]\r?\n" + STATS.pattern)
+    assert 0 < int(stats.group(2)) < 3000
+    term.expect(r"\n> ")
+    term.send("/stats\r")
+    term.expect(r"turns 1,")
+    term.expect(r"\n> ")
+    term.send("\x04")
+    assert term.wait() == 0
+
+
+def test_no_think_turns_thinking_off(tiny_dir):
+    term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 4, "--no-think")
+    term.expect(r"thinking off")
+    term.expect(r"\n> ")
+    term.send("Hi\r")
+    term.expect(STATS)
+    term.expect(r"\n> ")
+    term.send("\x04")
+    assert term.wait() == 0

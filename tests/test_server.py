@@ -1,0 +1,172 @@
+"""glm5 serve through the official openai client: plain and streamed, queueing, prefix reuse, errors."""
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from glm5_offload.engine import Engine
+from glm5_offload.loader import load_model
+from glm5_offload.server import make_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    from transformers import AutoTokenizer
+
+    path = tiny_dir()
+    engine = Engine(load_model(path), max_seq_len=4096)
+    engine.stop_ids = set()  # replies run to max_tokens: lengths are known
+    srv = make_server(engine, AutoTokenizer.from_pretrained(str(path)), "tiny-glm5", "127.0.0.1", 0, max_new_tokens=16)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="unused", max_retries=0)
+
+
+HELLO = [{"role": "user", "content": "Hello! How are you?"}]
+NO_THINK = {"enable_thinking": False}
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-glm5"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/health") as r:
+        assert json.load(r) == {"status": "ok"}
+
+
+def test_plain_completion(client, server):
+    r = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=9, temperature=0,
+                                       extra_body=NO_THINK)
+    prompt = server.RequestHandlerClass.service.prompt(HELLO, False)
+    assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 9
+    assert r.usage.total_tokens == len(prompt) + 9 and isinstance(r.choices[0].message.content, str)
+
+
+def test_streaming_equals_plain(client):
+    plain = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=10, temperature=0,
+                                           extra_body=NO_THINK)
+    chunks = list(client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=NO_THINK))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_thinking_goes_to_reasoning_content(client):
+    r = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=8, temperature=0)
+    message = r.choices[0].message.model_dump()
+    assert message.get("reasoning_content")  # a random model never closes </think>: it is all reasoning
+
+
+def test_stop_string_and_seed(client):
+    base = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=16, temperature=1.0, seed=3,
+                                          extra_body=NO_THINK).choices[0].message.content
+    again = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=16, temperature=1.0, seed=3,
+                                           extra_body=NO_THINK).choices[0].message.content
+    assert base == again and len(base) > 4
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    cut = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=16, temperature=1.0, seed=3,
+                                         stop=stop, extra_body=NO_THINK)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == base[: base.find(stop)]
+
+
+def test_extending_the_conversation_reuses_its_prefix(client, server):
+    first = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=6, temperature=0,
+                                           extra_body=NO_THINK)
+    follow = HELLO + [{"role": "assistant", "content": first.choices[0].message.content},
+                      {"role": "user", "content": "Tell me more."}]
+    second = client.chat.completions.create(model="tiny-glm5", messages=follow, max_tokens=6, temperature=0,
+                                            extra_body=NO_THINK)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert server.RequestHandlerClass.service.last.reused_tokens == second.usage.prompt_tokens_details.cached_tokens
+
+
+def test_concurrent_requests_queue_and_none_is_lost(client):
+    prompts = [[{"role": "user", "content": f"Question number {i}"}] for i in range(6)]
+    expected = [client.chat.completions.create(model="tiny-glm5", messages=p, max_tokens=5, temperature=0,
+                                               extra_body=NO_THINK).choices[0].message.content for p in prompts]
+    got = [None] * len(prompts)
+
+    def ask(i):
+        got[i] = client.chat.completions.create(model="tiny-glm5", messages=prompts[i], max_tokens=5, temperature=0,
+                                                extra_body=NO_THINK).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == expected
+
+
+def post(server, body: bytes):
+    request = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+@pytest.mark.parametrize("body, param", [
+    (b"{not json", None),
+    (json.dumps({"messages": []}).encode(), "messages"),
+    (json.dumps({"messages": [{"role": "user"}]}).encode(), "messages[0]"),
+    (json.dumps({"messages": HELLO, "temperature": "hot"}).encode(), "temperature"),
+    (json.dumps({"messages": HELLO, "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({"messages": HELLO, "top_p": 1.5}).encode(), "top_p"),
+    (json.dumps({"messages": HELLO, "stop": [1]}).encode(), "stop"),
+    (json.dumps({"messages": HELLO, "stream": "yes"}).encode(), "stream"),
+])
+def test_bad_requests(server, body, param):
+    status, payload = post(server, body)
+    assert status == 400 and payload["error"]["type"] == "invalid_request_error"
+    assert payload["error"]["param"] == param and payload["error"]["message"]
+
+
+def test_prompt_longer_than_the_context(server, client):
+    long = [{"role": "user", "content": "word " * 5000}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-glm5", messages=long, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_unknown_route(server):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/v2/nothing")
+    assert e.value.code == 404
+
+
+def test_client_gone_mid_stream_frees_the_engine(server, client):
+    body = json.dumps({"messages": HELLO, "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
+    sock = socket.create_connection(server.server_address)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while b"data:" not in received:  # the headers, then the first event
+        received += sock.recv(4096)
+    sock.close()
+    service = server.RequestHandlerClass.service
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (service.lock.locked() or service.last is None
+                                           or service.last.prompt_ids != service.prompt(HELLO, True)):
+        time.sleep(0.05)
+    assert not service.lock.locked()
+    assert service.last.stop_reason == "stop" and len(service.last.output_ids) < 3000
+    r = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
