@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+import bench_dsa
+import bench_experts
 import bench_reference
 import ceilings
 from glm5_offload.engine import Engine
@@ -65,6 +67,10 @@ def main():
         torch.cuda.empty_cache()
 
     results["tiny_decode_tok_s"] = {"cuda": tiny_decode_tok_s("cuda"), "cpu": tiny_decode_tok_s("cpu")}
+    print("\nDSA kernels:", flush=True)
+    results["dsa"] = bench_dsa.main()
+    print("\nCPU experts on this host:", flush=True)
+    results["experts"] = bench_experts.main(["--json", str(out / "experts.json")])
     results["seconds"] = time.time() - t0
     (out / "results.json").write_text(json.dumps(results, indent=2))
 

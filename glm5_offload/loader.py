@@ -228,6 +228,9 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
         tensors[name] = t.to(target, torch.float32 if name.endswith(KEEP_FP32) else dtype)
     if config.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].to(placement.slots["lm_head"].device)
+    for slot in placement.slots.values():
+        if slot.op.module_class is not None:
+            slot.module.__class__ = slot.op.module_class
     model.load_state_dict(tensors, strict=True, assign=True)
     for slot in placement.slots.values():
         slot.module.register_forward_pre_hook(_to_device_hook(torch.device(slot.device)), with_kwargs=True)

@@ -127,6 +127,7 @@ class MoE(nn.Module):
 class Indexer(nn.Module):
     """The lightning indexer: scores every cached key for each query, keeps the top index_topk."""
 
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
@@ -136,6 +137,10 @@ class Indexer(nn.Module):
         self.wk = Linear(config.hidden_size, self.head_dim)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(config.hidden_size, self.n_heads)  # kept fp32
+
+    def scores(self, q, keys, weights, start):
+        """Index scores [S, T] (plain torch here; attention.dsa_triton's indexer overrides it)."""
+        return indexer_scores(q, keys, weights, start)
 
     def _rope(self, t, cos, sin):
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -154,7 +159,7 @@ class Indexer(nn.Module):
         keys = keys[: start + S]
         chunk = max(1, _SCORE_BUDGET // (self.n_heads * keys.shape[0]))
         return torch.cat([
-            topk_indices(indexer_scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s), self.topk)
+            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s), self.topk)
             for s in range(0, S, chunk)
         ])
 
@@ -201,6 +206,7 @@ def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
 class Attention(nn.Module):
     """MLA with a latent-only cache; DSA selects the rows each query attends to."""
 
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -217,6 +223,10 @@ class Attention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
         self.indexer = Indexer(config) if config.indexer_types[layer] == "full" else None
+
+    def attend(self, q_lat, q_pe, latent, indices):
+        """Sparse MLA over the selected latent rows -> o [S, H, kv_lora_rank] fp32 (plain torch here)."""
+        return sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, shared_indices):
         """x [S, hidden] -> (out [S, hidden], the selected indices [S, K] for the shared layers above)."""
@@ -239,7 +249,7 @@ class Attention(nn.Module):
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
         q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
-        o = sparse_mla(q_lat, q_pe, latent[: start + S], indices, self.kv_lora_rank, self.scale)
+        o = self.attend(q_lat, q_pe, latent[: start + S], indices)
         out = torch.einsum("shl,hvl->shv", o, w_uv).to(x.dtype)  # [S, H, v_head_dim]
         return self.o_proj(out.reshape(S, -1)), indices
 

@@ -24,6 +24,7 @@ class Operator:
     delegates: tuple[type, ...] = ()  # child slot classes placed by their own rules
     devices: tuple[str, ...] = ("cpu", "cuda")  # device types it runs on
     build = None  # (slot, lazy tensors, config, model_dir) -> module, for operators that load their own weights
+    module_class: type | None = None  # the slot's module becomes this subclass (same weights), if set
 
     def check_kwargs(self, kwargs: dict) -> str | None:
         """What is wrong with a rule's kwargs values (their names are checked already), or None."""

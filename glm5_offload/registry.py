@@ -5,7 +5,9 @@ Reference operators are the plain-torch modules of model.py themselves; the othe
 
 from torch import nn
 
+from .attention_triton import TritonAttention, TritonIndexer
 from .experts_numba import NUMBA_EXPERTS
+from .kernels.dsa_triton import INTERPRET
 from .model import MLP, Attention, Experts, Indexer, LMHead, RMSNorm, Router
 from .operators import Operator
 
@@ -22,6 +24,10 @@ REGISTRY: dict[str, Operator] = {
         Operator("experts.reference", Experts, "routed SwiGLU experts, one loop over the chosen experts"),
         Operator("lm_head.reference", LMHead, "output projection to the vocabulary"),
         NUMBA_EXPERTS,
+        Operator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
+                 delegates=(Indexer,), devices=("cuda", "cpu") if INTERPRET else ("cuda",), module_class=TritonAttention),
+        Operator("indexer.dsa_triton", Indexer, "lightning indexer scores in a Triton kernel, torch.topk",
+                 devices=("cuda", "cpu") if INTERPRET else ("cuda",), module_class=TritonIndexer),
     )
 }
 DEFAULT_OP = {op.replaces: op for op in REGISTRY.values() if op.name.endswith(".reference")}  # slot class -> op

@@ -1,7 +1,12 @@
 """Shared fixtures: tiny checkpoints written by transformers itself, and by `glm5 make-tiny`."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Small dims of the real architectures. index_topk (8) is below the test prompts' lengths, so the
 # indexer really selects; 16 indexer heads keep exact-zero score ties (all ReLUs zero) improbable.

@@ -1,0 +1,81 @@
+"""DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
+beside the plain-torch reference (glm5_offload/model.py).
+
+    PYTHONPATH=.:bench python3 bench/bench_dsa.py
+"""
+
+import json
+import sys
+
+import torch
+
+import ceilings
+from glm5_offload.kernels import dsa_triton
+from glm5_offload.model import indexer_scores, sparse_mla
+
+H_IDX, D_IDX, H, L, R, TOPK = 32, 128, 64, 512, 64, 2048
+
+
+def indexer_case(S, T):
+    q = torch.randn(S, H_IDX, D_IDX, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(T, D_IDX, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(S, H_IDX, device="cuda")
+    ms = ceilings.time_ms(lambda: dsa_triton.indexer_scores(q, keys, w, T - S))
+    ref_ms = ceilings.time_ms(lambda: indexer_scores(q, keys, w, T - S), warmup=1, iters=3) if S * T <= 2**28 else None
+    return ms, ref_ms, T * D_IDX * 2 + S * T * 4, 2 * S * H_IDX * D_IDX * T
+
+
+def mla_case(S, T):
+    q_lat = torch.randn(S, H, L, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(S, H, R, device="cuda", dtype=torch.bfloat16)
+    latent = torch.randn(T, L + R, device="cuda", dtype=torch.bfloat16)
+    indices = torch.stack([torch.randperm(T, device="cuda")[:TOPK] for _ in range(S)])
+    ms = ceilings.time_ms(lambda: dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.06))
+    ref_ms = ceilings.time_ms(lambda: sparse_mla(q_lat, q_pe, latent, indices, L, 0.06), warmup=1, iters=3)
+    return ms, ref_ms, S * TOPK * (L + R) * 2, 2 * S * H * TOPK * (L + R + L)
+
+
+def main():
+    hbm, mm = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
+    rows = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": mm}
+    for T in (131072, 1048576):
+        ms, ref, nbytes, _ = indexer_case(1, T)
+        rows[f"indexer_decode_{T}"] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6, "frac_hbm": nbytes / ms / 1e6 / hbm,
+                                       "ref_us": ref * 1e3 if ref else None}
+    ms, ref, _, flops = indexer_case(2048, 16384)
+    rows["indexer_prefill_2048x16384"] = {"ms": ms, "tflops": flops / ms / 1e9, "frac_matmul": flops / ms / 1e9 / mm,
+                                          "ref_ms": ref}
+    row = torch.randn(1048576, device="cuda")
+    rows["topk_torch_1m_us"] = ceilings.time_ms(lambda: row.topk(TOPK)) * 1e3
+    for S in (1, 32):
+        ms, ref, nbytes, flops = mla_case(S, 131072)
+        rows[f"sparse_mla_decode_b{S}"] = {"us": ms * 1e3, "ref_us": ref * 1e3, "gb_s": nbytes / ms / 1e6}
+    ms, ref, _, flops = mla_case(2048, 131072)
+    rows["sparse_mla_prefill_2048"] = {"ms": ms, "tflops": flops / ms / 1e9, "frac_matmul": flops / ms / 1e9 / mm,
+                                       "ref_ms": ref}
+    per_full = rows["indexer_decode_1048576"]["us"] + rows["topk_torch_1m_us"]
+    mla = rows["sparse_mla_decode_b1"]["us"]
+    glm5, glm52 = 78 * (per_full + mla), 21 * per_full + 78 * mla
+    rows["attention_per_token_1m_us"] = {"glm5_all_full": glm5, "glm52_freq4": glm52, "ratio": glm5 / glm52}
+    print(json.dumps(rows, indent=1))
+    print("\n| figure | value |\n| --- | --- |")
+    print(f"| HBM copy / bf16 matmul | {hbm:.0f} GB/s / {mm:.0f} TFLOP/s |")
+    for T in (131072, 1048576):
+        r = rows[f"indexer_decode_{T}"]
+        ref = f"{r['ref_us']:.0f} us" if r["ref_us"] else "-"
+        print(f"| indexer decode, {T} keys | {r['us']:.1f} us, {r['gb_s']:.0f} GB/s = {r['frac_hbm']:.0%} of HBM copy (torch {ref}) |")
+    r = rows["indexer_prefill_2048x16384"]
+    print(f"| indexer prefill 2048 x 16384 | {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s = {r['frac_matmul']:.0%} of matmul (torch {r['ref_ms']:.1f} ms) |")
+    print(f"| top-k 2048 of 1M (torch.topk, no kernel yet) | {rows['topk_torch_1m_us']:.0f} us |")
+    for S in (1, 32):
+        r = rows[f"sparse_mla_decode_b{S}"]
+        print(f"| sparse MLA decode, batch {S}, 64 heads, top-2048 | {r['us']:.1f} us (torch {r['ref_us']:.0f} us) |")
+    r = rows["sparse_mla_prefill_2048"]
+    print(f"| sparse MLA prefill 2048 queries | {r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s = {r['frac_matmul']:.0%} of matmul (torch {r['ref_ms']:.0f} ms) |")
+    r = rows["attention_per_token_1m_us"]
+    print(f"| attention per token at 1M: GLM-5 (78 full) / GLM-5.2 (21 full) | {r['glm5_all_full']:.0f} us / {r['glm52_freq4']:.0f} us = {r['ratio']:.2f}x (claimed FLOP cut 2.9x) |")
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,115 @@
+"""DeepSeek Sparse Attention on the GPU in Triton: the lightning indexer's scores and sparse MLA.
+
+Both have their plain-torch reference in glm5_offload/model.py (`indexer_scores`, `sparse_mla`), which
+the tests compare them with. Under TRITON_INTERPRET=1 (CPU tests) operands are cast to fp32 after
+loading, since the interpreter's tl.dot multiplies bf16 bit patterns; bf16 products are exact in fp32,
+so both paths compute the same sums.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, k_ptr, w_ptr, out_ptr, S, T, start, scale,
+                    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                    CAST: tl.constexpr):
+    # q [S, H, D], keys [T, D], w [S, H] fp32, out [S, T] fp32; one program: BLOCK_S queries x BLOCK_T keys
+    pid_t, pid_s = tl.program_id(0), tl.program_id(1)
+    rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
+    cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    row_ok = rows < S * H
+    q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
+    if CAST:
+        q, k = q.to(tl.float32), k.to(tl.float32)
+    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
+    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+    weighted = tl.maximum(logits, 0.0) * w[:, None]
+    scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
+    s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    scores = tl.where(cols[None, :] > start + s[:, None], float("-inf"), scores)
+    tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > start + s.
+
+    q [S, H, D], keys [T, D] (bf16 or fp32), weights [S, H] fp32 -> [S, T] fp32.
+    """
+    S, H, D = q.shape
+    T = keys.shape[0]
+    out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
+    block_s = max(1, 128 // H)  # BLOCK_S * H rows feed tl.dot
+    block_t = 128
+    grid = (triton.cdiv(T, block_t), triton.cdiv(S, block_s))
+    _indexer_kernel[grid](q.contiguous(), keys.contiguous(), weights.float().contiguous(), out, S, T, start,
+                          D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, CAST=INTERPRET or q.dtype == torch.float32)
+    return out
+
+
+@triton.jit
+def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, K, H, scale,
+                       L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                       CAST: tl.constexpr):
+    # qc [S, H, L], qr [S, H, R], latent [T, L+R], idx [S, K] int64 (-1 = none) -> out [S, H, L] fp32, lse [S, H]
+    s, pid_h = tl.program_id(0), tl.program_id(1)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    lc, lr = tl.arange(0, L), tl.arange(0, R)
+    q_c = tl.load(qc_ptr + (s * H + h[:, None]) * L + lc[None, :], mask=h_ok[:, None], other=0.0)
+    q_r = tl.load(qr_ptr + (s * H + h[:, None]) * R + lr[None, :], mask=h_ok[:, None], other=0.0)
+    if CAST:
+        q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, L), tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + s * K + kk, mask=kk < K, other=-1)
+        ok = idx >= 0
+        row = tl.where(ok, idx, 0).to(tl.int64) * (L + R)
+        c = tl.load(lat_ptr + row[:, None] + lc[None, :], mask=ok[:, None], other=0.0)
+        pe = tl.load(lat_ptr + row[:, None] + L + lr[None, :], mask=ok[:, None], other=0.0)
+        if CAST:
+            c, pe = c.to(tl.float32), pe.to(tl.float32)
+        scores = (tl.dot(q_c, tl.trans(c), input_precision="ieee")
+                  + tl.dot(q_r, tl.trans(pe), input_precision="ieee")) * scale
+        scores = tl.where(ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + (s * H + h[:, None]) * L + lc[None, :], out, mask=h_ok[:, None])
+    tl.store(lse_ptr + s * H + h, m + tl.log(l), mask=h_ok)
+
+
+def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
+               kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
+               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], latent [T, L+R] = [c | k_pe], indices [S, K]
+    (-1 = none; each row at least one valid) -> (o [S, H, L] fp32, lse [S, H] fp32)."""
+    S, H, L = q_lat.shape
+    R = q_pe.shape[-1]
+    assert L == kv_lora_rank and latent.shape[1] == L + R
+    out = torch.empty(S, H, L, dtype=torch.float32, device=q_lat.device) if out is None else out
+    lse = torch.empty(S, H, dtype=torch.float32, device=q_lat.device) if lse is None else lse
+    block_h = 16
+    cast = INTERPRET or latent.dtype == torch.float32
+    dtype = torch.float32 if cast else latent.dtype
+    grid = (S, triton.cdiv(H, block_h))
+    _sparse_mla_kernel[grid](q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(),
+                             indices.contiguous(), out, lse, indices.shape[1], H, scale,
+                             L=L, R=R, BLOCK_H=block_h, BLOCK_K=64 if not INTERPRET else 128, CAST=cast)
+    return out, lse
