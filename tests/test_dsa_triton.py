@@ -80,7 +80,11 @@ def dsa_rules(tmp_path, device):
     return load_rules(path)
 
 
-def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path):
+ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]  # cpu: interpreter
+
+
+@pytest.mark.parametrize("device", ON)
+def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device):
     """Parity with the reference path (and so with transformers), IndexShare included."""
     from glm5_offload.attention_triton import TritonAttention, TritonIndexer
 
@@ -88,9 +92,9 @@ def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path):
     ids = torch.randint(4, 320, (28,), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         theirs = hf(ids[None]).logits[0]
-    model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, DEVICE))
+    model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, device))
     layers = model.model.layers
     assert all(type(layer.self_attn) is TritonAttention for layer in layers)
     assert type(layers[0].self_attn.indexer) is TritonIndexer and layers[1].self_attn.indexer is None
-    ours = model(ids.to(DEVICE), model.new_cache(64)).cpu()
+    ours = model(ids.to(device), model.new_cache(64)).cpu()
     assert max(rel_err(ours[i], theirs[i]) for i in range(len(ids))) < 1e-4
