@@ -47,8 +47,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
     S, H, D = q.shape
     T = keys.shape[0]
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
-    block_s = max(1, 128 // H)  # BLOCK_S * H rows feed tl.dot
-    block_t = 128
+    block_s = min(max(1, 128 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
+    block_t = 256 if S <= 4 else 128
     grid = (triton.cdiv(T, block_t), triton.cdiv(S, block_s))
     _indexer_kernel[grid](q.contiguous(), keys.contiguous(), weights.float().contiguous(), out, S, T, start,
                           D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, CAST=INTERPRET or q.dtype == torch.float32)
@@ -56,11 +56,12 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
 
 
 @triton.jit
-def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, K, H, scale,
+def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K, H, rows_per_split, scale,
                        L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                        CAST: tl.constexpr):
-    # qc [S, H, L], qr [S, H, R], latent [T, L+R], idx [S, K] int64 (-1 = none) -> out [S, H, L] fp32, lse [S, H]
-    s, pid_h = tl.program_id(0), tl.program_id(1)
+    # qc [S, H, L], qr [S, H, R], latent [T, L+R], idx [S, K] int64 (-1 = none); program (s, head block, split)
+    # handles the split's rows of idx[s] and writes its normalised o [split, S, H, L] and lse [split, S, H]
+    s, pid_h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
     lc, lr = tl.arange(0, L), tl.arange(0, R)
@@ -71,9 +72,11 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, K, H,
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, L), tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K):
+    k_begin = split * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, K)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + s * K + kk, mask=kk < K, other=-1)
+        idx = tl.load(idx_ptr + s * K + kk, mask=kk < k_end, other=-1)
         ok = idx >= 0
         row = tl.where(ok, idx, 0).to(tl.int64) * (L + R)
         c = tl.load(lat_ptr + row[:, None] + lc[None, :], mask=ok[:, None], other=0.0)
@@ -90,26 +93,47 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, K, H,
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
         m = m_new
-    out = acc / l[:, None]
-    tl.store(out_ptr + (s * H + h[:, None]) * L + lc[None, :], out, mask=h_ok[:, None])
-    tl.store(lse_ptr + s * H + h, m + tl.log(l), mask=h_ok)
+    empty = l == 0.0  # no valid row in this split: weight 0 when the splits are combined
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
+    base = split * S + s
+    tl.store(out_ptr + (base * H + h[:, None]) * L + lc[None, :], out, mask=h_ok[:, None])
+    tl.store(lse_ptr + base * H + h, tl.where(empty, float("-inf"), m + tl.log(l)), mask=h_ok)
 
 
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               lse: torch.Tensor | None = None, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], latent [T, L+R] = [c | k_pe], indices [S, K]
-    (-1 = none; each row at least one valid) -> (o [S, H, L] fp32, lse [S, H] fp32)."""
+    (-1 = none; each row at least one valid) -> (o [S, H, L] fp32, lse [S, H] fp32).
+
+    Few queries (decode) split the selected rows over several programs, flash-decoding style, and the
+    splits are combined by their log-sum-exp."""
     S, H, L = q_lat.shape
-    R = q_pe.shape[-1]
+    R, K = q_pe.shape[-1], indices.shape[1]
     assert L == kv_lora_rank and latent.shape[1] == L + R
-    out = torch.empty(S, H, L, dtype=torch.float32, device=q_lat.device) if out is None else out
-    lse = torch.empty(S, H, dtype=torch.float32, device=q_lat.device) if lse is None else lse
-    block_h = 16
+    block_h, block_k = 16, (128 if INTERPRET else 64)
+    head_blocks = triton.cdiv(H, block_h)
+    # enough programs to fill the GPU: split the rows when queries x head blocks are few
+    if splits is None:
+        splits = 1 if INTERPRET else max(1, min(triton.cdiv(K, block_k), 264 // (S * head_blocks)))
+    rows_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    splits = triton.cdiv(K, rows_per_split)
     cast = INTERPRET or latent.dtype == torch.float32
     dtype = torch.float32 if cast else latent.dtype
-    grid = (S, triton.cdiv(H, block_h))
-    _sparse_mla_kernel[grid](q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(),
-                             indices.contiguous(), out, lse, indices.shape[1], H, scale,
-                             L=L, R=R, BLOCK_H=block_h, BLOCK_K=64 if not INTERPRET else 128, CAST=cast)
-    return out, lse
+    part_out = torch.empty(splits, S, H, L, dtype=torch.float32, device=q_lat.device) if splits > 1 or out is None \
+        else out[None]
+    part_lse = torch.empty(splits, S, H, dtype=torch.float32, device=q_lat.device) if splits > 1 or lse is None \
+        else lse[None]
+    _sparse_mla_kernel[(S, head_blocks, splits)](
+        q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(),
+        part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, BLOCK_H=block_h, BLOCK_K=block_k, CAST=cast)
+    if splits == 1:
+        return part_out[0], part_lse[0]
+    total = torch.logsumexp(part_lse, dim=0)  # [S, H]
+    weights = torch.exp(part_lse - total)  # [splits, S, H]; 0 for empty splits
+    combined = (part_out * weights[..., None]).sum(0)
+    if out is not None:
+        out.copy_(combined)
+        lse.copy_(total)
+        return out, lse
+    return combined, total

@@ -34,7 +34,7 @@ def test_indexer_scores(dtype, S, H, T, start):
     check_indexer(S, H, 32, T, start, dtype, seed=S * 1000 + T)
 
 
-def check_mla(S, H, L, R, T, K, dtype, seed):
+def check_mla(S, H, L, R, T, K, dtype, seed, splits=None):
     g = torch.Generator().manual_seed(seed)
     q_lat = torch.randn(S, H, L, generator=g).to(DEVICE, dtype)
     q_pe = torch.randn(S, H, R, generator=g).to(DEVICE, dtype)
@@ -43,7 +43,7 @@ def check_mla(S, H, L, R, T, K, dtype, seed):
     indices[0, K // 3 :] = -1  # padding: fewer valid rows than K
     out = torch.full((S, H, L), float("nan"), device=DEVICE)
     lse = torch.full((S, H), float("nan"), device=DEVICE)
-    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.07, out=out, lse=lse)
+    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.07, out=out, lse=lse, splits=splits)
     ref = sparse_mla(q_lat, q_pe, latent, indices, L, 0.07)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     assert rel_err(o, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
@@ -57,8 +57,9 @@ def check_mla(S, H, L, R, T, K, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("S, H, K", [(1, 16, 48), (3, 20, 130)])  # heads and rows not multiples of the blocks
-def test_sparse_mla(dtype, S, H, K):
-    check_mla(S, H, 64, 16, 300, K, dtype, seed=S + H + K)
+@pytest.mark.parametrize("splits", [1, 3])  # 3: rows split over programs, combined by log-sum-exp; row 0's last
+def test_sparse_mla(dtype, S, H, K, splits):  # split holds only -1 padding
+    check_mla(S, H, 64, 16, 300, K, dtype, seed=S + H + K, splits=splits)
 
 
 @pytest.mark.gpu
