@@ -97,7 +97,7 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K,
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
     base = split * S + s
     tl.store(out_ptr + (base * H + h[:, None]) * L + lc[None, :], out, mask=h_ok[:, None])
-    tl.store(lse_ptr + base * H + h, tl.where(empty, float("-inf"), m + tl.log(l)), mask=h_ok)
+    tl.store(lse_ptr + base * H + h, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l))), mask=h_ok)
 
 
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
