@@ -122,7 +122,6 @@ def bench_format(fmt, experts, group, threads, read_gb_s, rng):
     run(xp[:4], idp[:4], wp[:4])
     prefill_s = min(_timed(lambda: run(xp, idp, wp)) for _ in range(2))
     flops = tokens * TOP_K * 3 * HIDDEN * INTER * 2
-    del layer
     return {
         "format": fmt, "group": group if fmt != "bf16" else None,
         "decode_ms": decode_s * 1e3, "decode_gb_s": decode_bytes / decode_s / 1e9,
@@ -150,7 +149,7 @@ def main(argv=None):
         r = bench_format(fmt, args.experts, args.group, args.threads, read, rng)
         results["formats"].append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n| format | decode ms | GB/s | of read BW | torch ms | x torch | prefill 512 GFLOP/s |")
+    print("\n| format | decode ms | GB/s | of read BW | torch ms | x torch | prefill 512 GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results["formats"]:
         name = r["format"] + (f"/g{r['group']}" if r["group"] else "")
