@@ -15,11 +15,57 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_keys_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer keys [N, D] -> FP8 form: e4m3 values [N, D] and one fp32 scale per key [N] (132 B for D=128)."""
+    scale = k.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (k.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
 @triton.jit
-def _indexer_kernel(q_ptr, k_ptr, w_ptr, out_ptr, S, T, start, scale,
+def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, D: tl.constexpr, RD: tl.constexpr,
+                       HALF: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr):
+    # one key: rope on dims [0:RD] (output [rotated firsts | rotated seconds], as rope.apply_rope), then FP8
+    t = tl.program_id(0)
+    half = HALF
+    i = tl.arange(0, HALF)
+    if INTERLEAVED:
+        x1 = tl.load(k_ptr + t * D + 2 * i).to(tl.float32)
+        x2 = tl.load(k_ptr + t * D + 2 * i + 1).to(tl.float32)
+    else:
+        x1 = tl.load(k_ptr + t * D + i).to(tl.float32)
+        x2 = tl.load(k_ptr + t * D + half + i).to(tl.float32)
+    c = tl.load(cos_ptr + t * half + i)
+    s = tl.load(sin_ptr + t * half + i)
+    r1, r2 = x1 * c - x2 * s, x2 * c + x1 * s
+    rest_i = tl.arange(0, REST)
+    rest = tl.load(k_ptr + t * D + RD + rest_i).to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1)), tl.max(tl.abs(r2))), tl.max(tl.abs(rest)))
+    scale = tl.maximum(amax, 1e-12) / 448.0
+    tl.store(out_ptr + t * D + i, (r1 / scale).to(tl.float8e4nv))
+    tl.store(out_ptr + t * D + half + i, (r2 / scale).to(tl.float8e4nv))
+    tl.store(out_ptr + t * D + RD + rest_i, (rest / scale).to(tl.float8e4nv))
+    tl.store(scale_ptr + t, scale)
+
+
+def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
+                       out: torch.Tensor, scales: torch.Tensor):
+    """Fused: rope on keys k [N, D] (cos, sin [N, rope_dim/2] fp32), then FP8 straight into out [N, D] e4m3 and
+    scales [N] fp32 (rows of the indexer-key cache)."""
+    N, D = k.shape
+    _rope_quant_kernel[(N,)](k.contiguous(), cos.float().contiguous(), sin.float().contiguous(), out, scales,
+                             D=D, RD=rope_dim, HALF=rope_dim // 2, REST=D - rope_dim, INTERLEAVED=interleaved)
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, S, T, start, scale,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                    CAST: tl.constexpr):
-    # q [S, H, D], keys [T, D], w [S, H] fp32, out [S, T] fp32; one program: BLOCK_S queries x BLOCK_T keys
+                    CAST: tl.constexpr, FP8: tl.constexpr):
+    # q [S, H, D], keys [T, D] (FP8: e4m3 with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
+    # one program: BLOCK_S queries x BLOCK_T keys. An FP8 key's scale (> 0) comes out of the ReLU:
+    # relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and the score is scaled after.
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
     cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -27,31 +73,41 @@ def _indexer_kernel(q_ptr, k_ptr, w_ptr, out_ptr, S, T, start, scale,
     row_ok = rows < S * H
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
+    if FP8:
+        k = k.to(q.dtype)  # e4m3 values are exact in bf16 and fp32
     if CAST:
         q, k = q.to(tl.float32), k.to(tl.float32)
     logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
     weighted = tl.maximum(logits, 0.0) * w[:, None]
     scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
+    if FP8:
+        scores = scores * tl.load(ks_ptr + cols, mask=cols < T, other=1.0)[None, :]
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     scores = tl.where(cols[None, :] > start + s[:, None], float("-inf"), scores)
     tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None) -> torch.Tensor:
     """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > start + s.
 
-    q [S, H, D], keys [T, D] (bf16 or fp32), weights [S, H] fp32 -> [S, T] fp32.
+    q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32
+    -> [S, T] fp32.
     """
+    fp8 = keys.dtype == torch.float8_e4m3fn
+    if fp8 != (key_scales is not None):
+        raise ValueError("float8_e4m3fn keys need their key_scales, and only they")
     S, H, D = q.shape
     T = keys.shape[0]
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
     block_s = min(max(1, 128 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
     block_t = 256 if S <= 4 else 128
     grid = (triton.cdiv(T, block_t), triton.cdiv(S, block_s))
-    _indexer_kernel[grid](q.contiguous(), keys.contiguous(), weights.float().contiguous(), out, S, T, start,
-                          D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, CAST=INTERPRET or q.dtype == torch.float32)
+    scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
+    _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(), out, S, T, start,
+                          D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t,
+                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8)
     return out
 
 
