@@ -43,10 +43,11 @@ def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, D: tl.conste
     rest_i = tl.arange(0, REST)
     rest = tl.load(k_ptr + t * D + RD + rest_i).to(tl.float32)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1)), tl.max(tl.abs(r2))), tl.max(tl.abs(rest)))
-    scale = tl.maximum(amax, 1e-12) / 448.0
-    tl.store(out_ptr + t * D + i, (r1 / scale).to(tl.float8e4nv))
-    tl.store(out_ptr + t * D + half + i, (r2 / scale).to(tl.float8e4nv))
-    tl.store(out_ptr + t * D + RD + rest_i, (rest / scale).to(tl.float8e4nv))
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    # div_rn: IEEE division, as torch's reference does (plain `/` is approximate on the GPU)
+    tl.store(out_ptr + t * D + i, tl.div_rn(r1, scale).to(tl.float8e4nv))
+    tl.store(out_ptr + t * D + half + i, tl.div_rn(r2, scale).to(tl.float8e4nv))
+    tl.store(out_ptr + t * D + RD + rest_i, tl.div_rn(rest, scale).to(tl.float8e4nv))
     tl.store(scale_ptr + t, scale)
 
 
