@@ -20,6 +20,7 @@ import torch
 from safetensors.numpy import save_file
 from torch import nn
 
+from . import cache_dir
 from .errors import Glm5Error
 from .kernels import moe_cpu
 from .model import Experts
@@ -27,11 +28,6 @@ from .operators import Operator
 
 CACHE_VERSION = 1
 _NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "F32": np.float32}
-
-
-def default_cache_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "glm5-offload" / "experts"
 
 
 def source_fingerprint(model_dir: Path) -> str:
@@ -194,7 +190,7 @@ class NumbaExpertsOperator(Operator):
         for dim in (config.hidden_size, config.moe_intermediate_size):
             if fmt != "bf16" and dim % group:
                 raise Glm5Error(f"experts.numba: group_size {group} does not divide the expert dim {dim}")
-        cache = ExpertCache(Path(slot.kwargs.get("cache_dir") or default_cache_dir()), model_dir, fmt, group)
+        cache = ExpertCache(Path(slot.kwargs.get("cache_dir") or cache_dir() / "experts"), model_dir, fmt, group)
         arrays = cache.load(slot.name)
         if arrays is None:
             arrays = cache.store(slot.name, convert_layer(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from . import cache_dir
 from .config import parse_config
 from .model import build_model
 
@@ -228,8 +229,7 @@ def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False,
 
 def default_model_dir() -> Path:
     """Where the embedded default tiny checkpoint lives: the user's cache directory."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "glm5-offload" / "tiny-glm5"
+    return cache_dir() / "tiny-glm5"
 
 
 def ensure_default_model() -> Path:
