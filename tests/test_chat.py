@@ -75,6 +75,7 @@ def test_two_turns_save_and_load(tiny_dir, tmp_path):
     term.expect(r"glm5 chat: .*thinking max")
     term.expect(r"\n> ")
     term.send("Hello there\r")
+    term.expect("\x1b\\[2m")  # thinking is on: its text comes dimmed
     first = term.expect(STATS)
     term.expect(r"\n> ")
     term.send("And again\r")
@@ -105,16 +106,27 @@ def test_two_turns_save_and_load(tiny_dir, tmp_path):
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_dir):
     term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3000, "--ignore-eos",
-                    "--hide-think")
+                    "--no-think")
     term.expect(r"\n> ")
     term.send("Tell me a long story\r")
-    time.sleep(3)  # the reply is being generated (3000 tokens take far longer)
+    term.expect(r"long story\r?\n[^\[]{12}")  # the reply is streaming (3000 tokens take far longer)
     term.send("\x03")  # Ctrl-C
     stats = term.expect(r"\[interrupted\]\r?\n" + STATS.pattern)
     assert 0 < int(stats.group(2)) < 3000
     term.expect(r"\n> ")
     term.send("/stats\r")
     term.expect(r"turns 1,")
+    term.expect(r"\n> ")
+    term.send("\x04")
+    assert term.wait() == 0
+
+
+def test_hide_think_shows_no_thinking(tiny_dir):
+    term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 6, "--hide-think")
+    term.expect(r"\n> ")
+    term.send("Hi\r")
+    reply = term.expect(r"Hi\r?\n((?s:.)*?)\[prefill")
+    assert "\x1b[2m" not in reply.group(1)  # the random model never closes </think>: nothing is shown
     term.expect(r"\n> ")
     term.send("\x04")
     assert term.wait() == 0

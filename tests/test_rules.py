@@ -129,7 +129,7 @@ BAD = {
                     "rule 1: unknown key 'recursve' in a rule"),
     "unknown_match_key": ("- match: {klass: Experts}\n  replace: {device: cpu}\n", "rule 1: unknown key 'klass' in match"),
     "unknown_op": ("- match: {class: Experts}\n  replace: {op: experts.turbo}\n",
-                   "rule 1: unknown operator 'experts.turbo' (registered: attention.reference, embedding.reference,"),
+                   "rule 1: unknown operator 'experts.turbo' (registered: attention.dsa_triton, attention.reference,"),
     "op_for_other_class": ("- match: {class: Attention}\n  replace: {op: experts.reference}\n",
                            "rule 1: operator experts.reference replaces Experts, not Attention"),
     "bad_regex": ("- default: {device: cpu}\n- match: {name: 'layers.(\\d+'}\n  replace: {device: cpu}\n",
