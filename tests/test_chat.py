@@ -47,6 +47,12 @@ class Terminal:
     def send(self, text: str):
         os.write(self.fd, text.encode())
 
+    def quit(self) -> int:
+        """At the prompt, Ctrl-D; the exit code."""
+        self.expect(r"\n> ")
+        self.send("\x04")
+        return self.wait()
+
     def wait(self, timeout=60.0) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -99,9 +105,7 @@ def test_two_turns_save_and_load(tiny_dir, tmp_path):
     term.expect(r"turns 2, prefilled \d+ tokens, generated \d+ tokens")
     term.send("/load /nonexistent.json\r")
     term.expect(r"error: /nonexistent.json: cannot read a saved conversation")
-    term.expect(r"\n> ")
-    term.send("\x04")  # Ctrl-D
-    assert term.wait() == 0
+    assert term.quit() == 0
 
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_dir):
@@ -116,9 +120,7 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_dir):
     term.expect(r"\n> ")
     term.send("/stats\r")
     term.expect(r"turns 1,")
-    term.expect(r"\n> ")
-    term.send("\x04")
-    assert term.wait() == 0
+    assert term.quit() == 0
 
 
 def test_hide_think_shows_no_thinking(tiny_dir):
@@ -127,9 +129,7 @@ def test_hide_think_shows_no_thinking(tiny_dir):
     term.send("Hi\r")
     reply = term.expect(r"Hi\r?\n((?s:.)*?)\[prefill")
     assert "\x1b[2m" not in reply.group(1)  # the random model never closes </think>: nothing is shown
-    term.expect(r"\n> ")
-    term.send("\x04")
-    assert term.wait() == 0
+    assert term.quit() == 0
 
 
 def test_no_think_turns_thinking_off(tiny_dir):
@@ -138,6 +138,4 @@ def test_no_think_turns_thinking_off(tiny_dir):
     term.expect(r"\n> ")
     term.send("Hi\r")
     term.expect(STATS)
-    term.expect(r"\n> ")
-    term.send("\x04")
-    assert term.wait() == 0
+    assert term.quit() == 0
