@@ -66,8 +66,8 @@ def shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
     raise Glm5Error(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}{hint}")
 
 
-def check_shard(path: Path):
-    """Refuse a truncated or corrupt safetensors file before it is memory-mapped."""
+def check_shard(path: Path) -> tuple[int, dict]:
+    """Refuse a truncated or corrupt safetensors file before it is memory-mapped; (header length, header)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -83,6 +83,7 @@ def check_shard(path: Path):
             raise Glm5Error(f"{path}: corrupt safetensors header") from None
     if 8 + n + end != size:
         raise Glm5Error(f"{path}: truncated or corrupt safetensors file (data needs {8 + n + end} bytes, file has {size})")
+    return n, header
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
