@@ -25,15 +25,22 @@ def _keys(x_ptr, row, offs, n):
 
 
 @triton.jit
+def _block_keys(x_ptr, row, blk, n, BLOCK: tl.constexpr):
+    """This program's offsets in its row, their keys, and which are finite scores inside the row."""
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    key = _keys(x_ptr, row, offs, n)
+    return offs, key, (key != 0) & (offs < n)
+
+
+@triton.jit
 def _histogram_kernel(x_ptr, prefix_ptr, hist_ptr, n, shift, BLOCK: tl.constexpr):
     # hist[row, d] += number of this block's keys whose bits above `shift + 8` equal prefix[row] and whose
     # byte at `shift` is d (keys of -inf scores never count)
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    key = _keys(x_ptr, row, offs, n)
+    offs, key, valid = _block_keys(x_ptr, row, blk, n, BLOCK)
     prefix = tl.load(prefix_ptr + row).to(tl.uint32)
     high = tl.where(shift == 24, 0, key >> (shift + 8))
-    match = (high == prefix) & (key != 0) & (offs < n)
+    match = (high == prefix) & valid
     digit = ((key >> shift) & 255).to(tl.int32)
     tl.atomic_add(hist_ptr + row * 256 + digit, 1, mask=match)
 
@@ -42,10 +49,8 @@ def _histogram_kernel(x_ptr, prefix_ptr, hist_ptr, n, shift, BLOCK: tl.constexpr
 def _count_kernel(x_ptr, thr_ptr, counts_ptr, n, n_blocks, BLOCK: tl.constexpr):
     # counts[row, blk] = (keys > threshold, keys == threshold) in this block
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    key = _keys(x_ptr, row, offs, n)
+    offs, key, valid = _block_keys(x_ptr, row, blk, n, BLOCK)
     thr = tl.load(thr_ptr + row).to(tl.uint32)
-    valid = (key != 0) & (offs < n)
     tl.store(counts_ptr + (row * n_blocks + blk) * 2, tl.sum((valid & (key > thr)).to(tl.int32)))
     tl.store(counts_ptr + (row * n_blocks + blk) * 2 + 1, tl.sum((valid & (key == thr)).to(tl.int32)))
 
@@ -54,11 +59,9 @@ def _count_kernel(x_ptr, thr_ptr, counts_ptr, n, n_blocks, BLOCK: tl.constexpr):
 def _select_kernel(x_ptr, thr_ptr, need_eq_ptr, starts_ptr, out_ptr, n, n_blocks, k, BLOCK: tl.constexpr):
     # starts[row, blk] = (first output slot of this block's ">" keys, rank of its first "==" key)
     row, blk = tl.program_id(0), tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    key = _keys(x_ptr, row, offs, n)
+    offs, key, valid = _block_keys(x_ptr, row, blk, n, BLOCK)
     thr = tl.load(thr_ptr + row).to(tl.uint32)
     need_eq = tl.load(need_eq_ptr + row)
-    valid = (key != 0) & (offs < n)
     gt = valid & (key > thr)
     eq = valid & (key == thr)
     gt_start = tl.load(starts_ptr + (row * n_blocks + blk) * 2)
