@@ -81,7 +81,7 @@ def _engine(args, tokenizer_required: bool):
     budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
     model = load_model(model_dir, device=args.device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
-                       budgets=budgets)
+                       budgets=budgets, kv_dtype=args.kv_dtype)
     engine = Engine(model, max_seq_len=max_seq_len)
     if args.ignore_eos:
         engine.stop_ids = set()
@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
         p.add_argument("--gpu-mem", help="memory the engine may use on each GPU, e.g. 24GiB (default: all)")
         p.add_argument("--host-mem", help="host memory the engine may use, e.g. 256GiB (default: what is available)")
+        p.add_argument("--kv-dtype", choices=["fp8"], default=None,
+                       help="keep every layer's latent rows in the 656-byte FP8 form (default: the attention rules')")
         p.add_argument("--cpu-threads", type=int, default=None, help="CPU threads for torch and the numba experts")
         p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
         p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
@@ -256,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, required=True)
     p.add_argument("--gpu-mem", help="memory of each GPU, e.g. 24GiB (default: detected)")
     p.add_argument("--host-mem", help="host memory, e.g. 512GiB (default: detected available)")
-    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default="bf16")
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default=None,
+                   help="count every latent row in this form (default: each attention rule's, else --dtype)")
     p.add_argument("--expert-format", choices=["int4", "int8", "bf16"], default=None)
     p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
     p.set_defaults(func=cmd_plan)

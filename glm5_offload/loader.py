@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from .config import ModelConfig, load_config
 from .errors import Glm5Error
-from .model import CausalLM, build_model
+from .kv_cache import latent_layout
+from .model import Attention, CausalLM, build_model
 from .planner import detected_budgets, make_plan
 from .rules import RuleFile, check_devices_present, place
 
@@ -199,12 +200,13 @@ def _to_device_hook(device: torch.device):
 
 def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dtype | None = None,
                rules: RuleFile | None = None, max_seq_len: int | None = None,
-               budgets: dict[str, int | None] | None = None) -> CausalLM:
+               budgets: dict[str, int | None] | None = None, kv_dtype: str | None = None) -> CausalLM:
     """config.json + safetensors in model_dir -> a ready CausalLM placed by rules.
 
     device: the default device (over the rule file's); dtype: compute dtype (default: the config's).
     With max_seq_len, the planner checks the placement against the memory budgets first ('cpu',
     'cuda'; this machine's where not given) and refuses what would not fit before anything is loaded.
+    kv_dtype 'fp8' keeps every layer's latent rows in the FP8 form, whatever the attention rules say.
     """
     model_dir = Path(model_dir)
     config = load_config(model_dir)
@@ -214,7 +216,7 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
     check_devices_present(placement)
     if max_seq_len is not None:
         limits = {k: v for k, v in (budgets or {}).items() if v is not None}
-        plan = make_plan(config, placement, max_seq_len, {**detected_budgets(), **limits}, dtype=dtype)
+        plan = make_plan(config, placement, max_seq_len, {**detected_budgets(), **limits}, dtype=dtype, kv_dtype=kv_dtype)
         if not plan.fits:
             raise PlanError(plan)
     expected = {k: v for k, v in model.state_dict().items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
@@ -232,6 +234,8 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
     for slot in placement.slots.values():
         if slot.op.module_class is not None:
             slot.module.__class__ = slot.op.module_class
+        if isinstance(slot.module, Attention):
+            slot.module.latent_layout = latent_layout(slot.kwargs, kv_dtype)
     model.load_state_dict(tensors, strict=True, assign=True)
     for slot in placement.slots.values():
         slot.module.register_forward_pre_hook(_to_device_hook(torch.device(slot.device)), with_kwargs=True)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, LatentLayout, dequantize_latent
 from .rope import apply_rope, cos_sin, inv_freq_and_scaling
 
 # Queries per attention chunk are bounded so that heads x queries x keys scores stay near this many.
@@ -187,19 +187,23 @@ def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
 
     q_lat [S, H, L] (q_nope through W_UK), q_pe [S, H, R], latent [T, L+R] = [c | k_pe],
     indices [S, K] (int64, -1 = none) -> o [S, H, L] (the softmax-weighted sum of c), fp32.
+    latent may be in the FP8 form (uint8 rows, kv_cache.quantize_latent): rows are dequantised.
+    The result depends only on the selected rows' values in index order, not on where they sit in latent.
     """
-    S, T = q_lat.shape[0], latent.shape[0]
-    c, k_pe = latent[:, :kv_lora_rank].float(), latent[:, kv_lora_rank:].float()
-    selected = torch.zeros(S, T + 1, dtype=torch.bool, device=latent.device)
-    selected.scatter_(1, torch.where(indices < 0, T, indices), True)
-    selected = selected[:, :T]
-    out = torch.empty(S, q_lat.shape[1], kv_lora_rank, dtype=torch.float32, device=latent.device)
-    chunk = max(1, _SCORE_BUDGET // (q_lat.shape[1] * T))
+    S, H = q_lat.shape[:2]
+    K = indices.shape[1]
+    out = torch.empty(S, H, kv_lora_rank, dtype=torch.float32, device=latent.device)
+    chunk = max(1, _SCORE_BUDGET // (K * max(H, latent.shape[1])))
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
-        scores = torch.einsum("shl,tl->sht", q_lat[s0:s1].float(), c) + torch.einsum("shr,tr->sht", q_pe[s0:s1].float(), k_pe)
-        scores = (scores * scale).masked_fill(~selected[s0:s1, None, :], float("-inf"))
-        out[s0:s1] = torch.einsum("sht,tl->shl", scores.softmax(dim=-1), c)
+        idx = indices[s0:s1]
+        rows = latent[idx.clamp(min=0)]  # [s, K, L+R]
+        rows = dequantize_latent(rows.flatten(0, 1), kv_lora_rank).view(s1 - s0, K, -1) if latent.dtype == torch.uint8 \
+            else rows.float()
+        c, k_pe = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
+        scores = torch.einsum("shl,skl->shk", q_lat[s0:s1].float(), c) + torch.einsum("shr,skr->shk", q_pe[s0:s1].float(), k_pe)
+        scores = (scores * scale).masked_fill((idx < 0)[:, None, :], float("-inf"))
+        out[s0:s1] = torch.einsum("shk,skl->shl", scores.softmax(dim=-1), c)
     return out
 
 
@@ -223,6 +227,7 @@ class Attention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
         self.indexer = Indexer(config) if config.indexer_types[layer] == "full" else None
+        self.latent_layout = LatentLayout()  # the loader sets it from the attention rule's kwargs
 
     def attend(self, q_lat, q_pe, latent, indices):
         """Sparse MLA over the selected latent rows -> o [S, H, kv_lora_rank] fp32 (plain torch here)."""
@@ -237,19 +242,18 @@ class Attention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
         k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
-        latent = cache.latent[self.layer]
-        latent[start : start + S] = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+        cache.write_latent(self.layer, start, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:
             indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], start)
         else:
             indices = shared_indices
-        indices = indices.to(latent.device)
+        latent, rows = cache.rows_for(self.layer, indices.to(x.device), start, start + S)
 
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
         q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
-        o = self.attend(q_lat, q_pe, latent[: start + S], indices)
+        o = self.attend(q_lat, q_pe, latent, rows)
         out = torch.einsum("shl,hvl->shv", o, w_uv).to(x.dtype)  # [S, H, v_head_dim]
         return self.o_proj(out.reshape(S, -1)), indices
 
@@ -291,6 +295,13 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         with torch.device("cpu"):
             self.inv_freq, self.rope_scaling = inv_freq_and_scaling(config)
+        self.shared_after = {}  # full layer -> the shared layers that reuse its indices
+        for i, kind in enumerate(config.indexer_types):
+            if kind == "full":
+                full = i
+                self.shared_after[full] = []
+            else:
+                self.shared_after[full].append(i)
 
     @property
     def device(self) -> torch.device:
@@ -310,6 +321,7 @@ class CausalLM(nn.Module):
             latent_devices=[a.kv_b_proj.weight.device for a in attention],
             index_devices={i: a.indexer.wk.weight.device for i, a in enumerate(attention) if a.indexer is not None},
             dtype=self.dtype,
+            layouts=[a.latent_layout for a in attention],
         )
 
     @torch.no_grad()
@@ -326,6 +338,8 @@ class CausalLM(nn.Module):
         indices = None
         for layer in self.model.layers:
             x, indices = layer(x, cos, sin, cache, start, indices)
+            if layer.self_attn.indexer is not None:  # IndexShare: fetch the shared layers' rows meanwhile
+                cache.prefetch(self.shared_after[layer.self_attn.layer], indices, start, start + S)
         cache.length = start + S
         if logits_for == "last":
             x = x[-1:]

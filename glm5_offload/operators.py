@@ -60,3 +60,17 @@ class Slot:
     def child_slots(self) -> tuple[str, ...]:
         """Names (relative) of delegated children, whose weights this slot does not hold."""
         return tuple(f"{n}." for n, m in self.module.named_children() if isinstance(m, self.op.delegates))
+
+
+class AttentionOperator(Operator):
+    """Attention: its kwargs say how the layer keeps its latent rows (kv_cache.latent_layout)."""
+
+    def check_kwargs(self, kwargs: dict) -> str | None:
+        from .kv_cache import latent_layout
+        from .errors import Glm5Error
+
+        try:
+            latent_layout(kwargs)
+        except Glm5Error as e:
+            return str(e)
+        return None

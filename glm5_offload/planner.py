@@ -13,6 +13,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import Glm5Error
+from .kv_cache import latent_layout
 from .model import _SCORE_BUDGET, Attention, Experts, Indexer
 from .operators import DTYPE_FORMATS
 from .rules import Placement
@@ -93,7 +94,8 @@ class Plan:
     config: ModelConfig
     placement: Placement
     max_seq_len: int
-    kv_dtype: str
+    kv_dtypes: list[str]  # the latent forms the attention layers use
+    key_bytes: int  # one token's indexer key in one full layer
     expert_format: str
     active_expert_bytes: int  # routed-expert bytes one decode token reads (payload, no scales)
     devices: list[DevicePlan]
@@ -118,8 +120,9 @@ class Plan:
         lines = [
             f"plan: {c.path} ({c.model_type}, {c.num_hidden_layers} layers, {len(c.full_layers)} full indexer layers), "
             f"rules {rules}",
-            f"max_seq_len {self.max_seq_len}, latent KV {self.kv_dtype} ({latent_row_bytes(c, self.kv_dtype)} B/token/layer), "
-            f"indexer keys {index_key_bytes(c, self.kv_dtype)} B/token/full layer, experts {self.expert_format}",
+            f"max_seq_len {self.max_seq_len}, latent KV "
+            + ", ".join(f"{k} ({latent_row_bytes(c, k)} B/token/layer)" for k in self.kv_dtypes)
+            + f", indexer keys {self.key_bytes} B/token/full layer, experts {self.expert_format}",
             f"active routed-expert weights per decode token: {active_expert_weights(c) / 1e9:.1f} G "
             f"= {self.active_expert_bytes / 1e9:.1f} GB",
             "",
@@ -138,10 +141,14 @@ class Plan:
 
 
 def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budgets: dict[str, int | None],
-              kv_dtype: str = "bf16", expert_format: str | None = None, dtype: torch.dtype | None = None,
+              kv_dtype: str | None = None, expert_format: str | None = None, dtype: torch.dtype | None = None,
               prefill_chunk: int = 2048) -> Plan:
-    """budgets: 'cpu' -> host bytes, 'cuda' -> bytes of each GPU (None: no limit known)."""
-    if kv_dtype not in KV_DTYPES:
+    """budgets: 'cpu' -> host bytes, 'cuda' -> bytes of each GPU (None: no limit known).
+
+    kv_dtype (fp8, bf16, fp32) overrides each attention rule's latent form (kv_cache.latent_layout); the
+    indexer keys follow it (FP8: 132 B), else they are in the compute dtype. Offloaded latent rows count on
+    the host; their device holds the hot buffer and one prefill staging buffer of every row."""
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise Glm5Error(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise Glm5Error(f"--expert-format must be one of {', '.join(EXPERT_FORMATS)}, got {expert_format!r}")
@@ -153,8 +160,11 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             devices[device] = DevicePlan(device, budget=budgets.get(device.split(":")[0]))
         return devices[device]
 
-    row, key = latent_row_bytes(config, kv_dtype), index_key_bytes(config, kv_dtype)
+    compute_kv = DTYPE_FORMATS[dtype]
+    key = index_key_bytes(config, kv_dtype or compute_kv)
     activation_bytes = 4  # temporaries are fp32 at worst
+    staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
+    latent_kinds = set()
     for slot in placement.slots.values():
         d = on(slot.device)
         if isinstance(slot.module, Experts) and expert_format is not None:
@@ -162,8 +172,16 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
         else:
             d.weights += slot.op.weight_bytes(slot.module, slot.kwargs, dtype, skip=slot.child_slots)
         if isinstance(slot.module, Attention):
-            d.per_token += row
-            d.latent_kv += row * max_seq_len
+            layout = latent_layout(slot.kwargs, "fp8" if kv_dtype == "fp8" else None)
+            kind = "fp8" if layout.fp8 else kv_dtype or compute_kv
+            latent_kinds.add(kind)
+            row = latent_row_bytes(config, kind)
+            home = on("cpu") if layout.offload else d
+            home.per_token += row
+            home.latent_kv += row * max_seq_len
+            if layout.offload:
+                d.latent_kv += layout.hot_bytes
+                staging[slot.device] = max(staging.get(slot.device, 0), row)
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
         elif isinstance(slot.module, Indexer):
             d.per_token += key
@@ -171,6 +189,9 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
         elif isinstance(slot.module, Experts):
             d.workspace = max(d.workspace, prefill_chunk * config.moe_intermediate_size * 3 * activation_bytes)
+    for device, row in staging.items():
+        devices[device].latent_kv += row * max_seq_len
+        devices[device].per_token += row
     heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + config.kv_lora_rank)
     for d in devices.values():  # residual stream, norms, projections of one chunk, and the logits
         d.activations = prefill_chunk * (6 * config.hidden_size + heads) * activation_bytes + config.vocab_size * 4
@@ -179,7 +200,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                               if isinstance(s.module, Experts)), DTYPE_FORMATS[dtype])
     bits = EXPERT_FORMATS.get(expert_format.split("/")[0]) or torch.finfo(dtype).bits
     active = active_expert_weights(config) * bits // 8
-    return Plan(config, placement, max_seq_len, kv_dtype, expert_format, active,
+    return Plan(config, placement, max_seq_len, sorted(latent_kinds) or [compute_kv], key, expert_format, active,
                 sorted(devices.values(), key=lambda d: d.device))
 
 

@@ -90,7 +90,8 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, S, T, start, scale,
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int,
-                   out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
+                   block_t: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > start + s.
 
     q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32
@@ -103,21 +104,22 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
     T = keys.shape[0]
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
     block_s = min(max(1, 128 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
-    block_t = 256 if S <= 4 else 128
+    block_t = block_t or (256 if S <= 4 else 128)
     grid = (triton.cdiv(T, block_t), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
     _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(), out, S, T, start,
                           D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t,
-                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8)
+                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps)
     return out
 
 
 @triton.jit
 def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K, H, rows_per_split, scale,
-                       L: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                       CAST: tl.constexpr):
-    # qc [S, H, L], qr [S, H, R], latent [T, L+R], idx [S, K] int64 (-1 = none); program (s, head block, split)
-    # handles the split's rows of idx[s] and writes its normalised o [split, S, H, L] and lse [split, S, H]
+                       L: tl.constexpr, R: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_K: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
+    # qc [S, H, L], qr [S, H, R], idx [S, K] int64 (-1 = none); latent [T, L+R] = [c | k_pe], or with FP8
+    # bytes [T, L + 4L/G + 2R] = [c e4m3 | one fp32 scale per G values | k_pe bf16]. Program (s, head block,
+    # split) handles the split's rows of idx[s] and writes its normalised o [split, S, H, L], lse [split, S, H].
     s, pid_h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -135,11 +137,20 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K,
         kk = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + s * K + kk, mask=kk < k_end, other=-1)
         ok = idx >= 0
-        row = tl.where(ok, idx, 0).to(tl.int64) * (L + R)
-        c = tl.load(lat_ptr + row[:, None] + lc[None, :], mask=ok[:, None], other=0.0)
-        pe = tl.load(lat_ptr + row[:, None] + L + lr[None, :], mask=ok[:, None], other=0.0)
-        if CAST:
-            c, pe = c.to(tl.float32), pe.to(tl.float32)
+        if FP8:
+            row = lat_ptr + tl.where(ok, idx, 0).to(tl.int64) * (L + 4 * (L // G) + 2 * R)
+            c8 = tl.load((row[:, None] + lc[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=ok[:, None], other=0.0)
+            sc = tl.load((row[:, None] + L + 4 * (lc[None, :] // G)).to(tl.pointer_type(tl.float32)),
+                         mask=ok[:, None], other=0.0)
+            c = (c8.to(tl.float32) * sc).to(q_c.dtype)
+            pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
+                         mask=ok[:, None], other=0.0).to(q_r.dtype)
+        else:
+            row = tl.where(ok, idx, 0).to(tl.int64) * (L + R)
+            c = tl.load(lat_ptr + row[:, None] + lc[None, :], mask=ok[:, None], other=0.0)
+            pe = tl.load(lat_ptr + row[:, None] + L + lr[None, :], mask=ok[:, None], other=0.0)
+            if CAST:
+                c, pe = c.to(tl.float32), pe.to(tl.float32)
         scores = (tl.dot(q_c, tl.trans(c), input_precision="ieee")
                   + tl.dot(q_r, tl.trans(pe), input_precision="ieee")) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
@@ -157,40 +168,59 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K,
     tl.store(lse_ptr + base * H + h, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l))), mask=h_ok)
 
 
+@triton.jit
+def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SPLITS: tl.constexpr, L: tl.constexpr):
+    # part_out [splits, S*H, L], part_lse [splits, S*H] -> out [S*H, L], lse [S*H]; one program per (s, head);
+    # SPLITS: splits rounded up to a power of two
+    r = tl.program_id(0)
+    sp, lc = tl.arange(0, SPLITS), tl.arange(0, L)
+    lse = tl.load(part_lse_ptr + sp * SH + r, mask=sp < splits, other=float("-inf"))  # -inf: split without a row
+    total = tl.max(lse, axis=0)
+    w = tl.exp(lse - total)
+    total = total + tl.log(tl.sum(w, axis=0))
+    w = tl.exp(lse - total)
+    o = tl.load(part_out_ptr + (sp[:, None] * SH + r) * L + lc[None, :], mask=(sp < splits)[:, None], other=0.0)
+    tl.store(out_ptr + r * L + lc, tl.sum(o * w[:, None], axis=0))
+    tl.store(lse_ptr + r, total)
+
+
+def fp8_latent_group(kv_lora_rank: int) -> int:
+    """Values per fp32 scale in the FP8 latent row: 128 (GLM-5: 4 scales), or the whole c when it is smaller."""
+    return 128 if kv_lora_rank % 128 == 0 else kv_lora_rank
+
+
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], latent [T, L+R] = [c | k_pe], indices [S, K]
-    (-1 = none; each row at least one valid) -> (o [S, H, L] fp32, lse [S, H] fp32).
+               lse: torch.Tensor | None = None, splits: int | None = None, block_h: int = 16,
+               block_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
+    one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
+    GLM-5, see kv_cache.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
 
-    Few queries (decode) split the selected rows over several programs, flash-decoding style, and the
-    splits are combined by their log-sum-exp."""
+    Few queries (decode) split the selected rows over several programs, flash-decoding style, and a second
+    kernel combines the splits by their log-sum-exp."""
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
-    assert L == kv_lora_rank and latent.shape[1] == L + R
-    block_h, block_k = 16, (128 if INTERPRET else 64)
+    fp8 = latent.dtype == torch.uint8
+    G = fp8_latent_group(L)
+    assert L == kv_lora_rank and latent.shape[1] == (L + 4 * (L // G) + 2 * R if fp8 else L + R)
+    block_k = block_k or (128 if INTERPRET else 64)
     head_blocks = triton.cdiv(H, block_h)
     # enough programs to fill the GPU: split the rows when queries x head blocks are few
     if splits is None:
         splits = 1 if INTERPRET else max(1, min(triton.cdiv(K, block_k), 264 // (S * head_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, rows_per_split)
-    cast = INTERPRET or latent.dtype == torch.float32
-    dtype = torch.float32 if cast else latent.dtype
-    part_out = torch.empty(splits, S, H, L, dtype=torch.float32, device=q_lat.device) if splits > 1 or out is None \
-        else out[None]
-    part_lse = torch.empty(splits, S, H, dtype=torch.float32, device=q_lat.device) if splits > 1 or lse is None \
-        else lse[None]
+    cast = INTERPRET or latent.dtype == torch.float32 or q_lat.dtype == torch.float32
+    dtype = torch.float32 if cast else torch.bfloat16 if fp8 else latent.dtype
+    out = torch.empty(S, H, L, dtype=torch.float32, device=q_lat.device) if out is None else out
+    lse = torch.empty(S, H, dtype=torch.float32, device=q_lat.device) if lse is None else lse
+    part_out = torch.empty(splits, S, H, L, dtype=torch.float32, device=q_lat.device) if splits > 1 else out[None]
+    part_lse = torch.empty(splits, S, H, dtype=torch.float32, device=q_lat.device) if splits > 1 else lse[None]
     _sparse_mla_kernel[(S, head_blocks, splits)](
         q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(),
-        part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, BLOCK_H=block_h, BLOCK_K=block_k, CAST=cast)
-    if splits == 1:
-        return part_out[0], part_lse[0]
-    total = torch.logsumexp(part_lse, dim=0)  # [S, H]
-    weights = torch.exp(part_lse - total)  # [splits, S, H]; 0 for empty splits
-    combined = (part_out * weights[..., None]).sum(0)
-    if out is not None:
-        out.copy_(combined)
-        lse.copy_(total)
-        return out, lse
-    return combined, total
+        part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, G=G, BLOCK_H=block_h, BLOCK_K=block_k,
+        CAST=cast, FP8=fp8, num_warps=num_warps)
+    if splits > 1:
+        _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits), L=L)
+    return out, lse

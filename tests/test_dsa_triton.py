@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from glm5_offload.kernels import dsa_triton
+from glm5_offload.kv_cache import dequantize_latent, fp8_row_width, quantize_latent
 from glm5_offload.loader import load_model
 from glm5_offload.model import indexer_scores, sparse_mla, topk_indices
 from glm5_offload.rules import load_rules
@@ -34,17 +35,21 @@ def test_indexer_scores(dtype, S, H, T, start):
     check_indexer(S, H, 32, T, start, dtype, seed=S * 1000 + T)
 
 
-def check_mla(S, H, L, R, T, K, dtype, seed, splits=None):
+def check_mla(S, H, L, R, T, K, dtype, seed, splits=None, fp8=False):
     g = torch.Generator().manual_seed(seed)
     q_lat = torch.randn(S, H, L, generator=g).to(DEVICE, dtype)
     q_pe = torch.randn(S, H, R, generator=g).to(DEVICE, dtype)
     latent = torch.randn(T, L + R, generator=g).to(DEVICE, dtype)
+    rows = latent
+    if fp8:  # the kernel reads the FP8 rows; the reference and the check below their dequantised values
+        rows = quantize_latent(latent, L)
+        latent = dequantize_latent(rows, L)
     indices = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(S)]).to(DEVICE)
     indices[0, K // 3 :] = -1  # padding: fewer valid rows than K
     out = torch.full((S, H, L), float("nan"), device=DEVICE)
     lse = torch.full((S, H), float("nan"), device=DEVICE)
-    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.07, out=out, lse=lse, splits=splits)
-    ref = sparse_mla(q_lat, q_pe, latent, indices, L, 0.07)
+    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, rows, indices, L, 0.07, out=out, lse=lse, splits=splits)
+    ref = sparse_mla(q_lat, q_pe, rows, indices, L, 0.07)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     assert rel_err(o, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
     scores = torch.einsum("shl,tl->sht", q_lat.float(), latent[:, :L].float()) + torch.einsum(
@@ -62,12 +67,28 @@ def test_sparse_mla(dtype, S, H, K, splits):  # split holds only -1 padding
     check_mla(S, H, 64, 16, 300, K, dtype, seed=S + H + K, splits=splits)
 
 
+@pytest.mark.parametrize("L, splits", [(256, 1), (64, 3)])  # 256: two scales per row; 64: one
+def test_sparse_mla_fp8_rows(L, splits):
+    check_mla(2, 16, L, 16, 200, 70, torch.bfloat16, seed=L, splits=splits, fp8=True)
+
+
+def test_fp8_latent_row_is_656_bytes_and_close():
+    assert fp8_row_width(512, 64) == 656
+    rows = torch.randn(40, 576) * torch.rand(40, 1) * 10
+    packed = quantize_latent(rows, 512)
+    assert packed.dtype == torch.uint8 and packed.shape == (40, 656)
+    back = dequantize_latent(packed, 512)
+    assert torch.equal(back[:, 512:], rows[:, 512:].bfloat16().float())  # k_pe stays bf16
+    assert rel_err(back[:, :512], rows[:, :512]) < 0.05
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1, 32])
 def test_real_sizes_on_the_gpu(S):
     check_indexer(S, 32, 128, 131072, 131072 - S, torch.bfloat16, seed=S)
     check_indexer_fp8(S, 32, 128, 131072)
     check_mla(S, 64, 512, 64, 65536, 2048, torch.bfloat16, seed=S)
+    check_mla(S, 64, 512, 64, 65536, 2048, torch.bfloat16, seed=S, fp8=True)
     check_rope_quant(4096, 128, 64, interleaved=S == 1)
 
 

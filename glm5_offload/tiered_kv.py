@@ -1,0 +1,129 @@
+"""One layer's latent rows in two tiers: every row in (pinned) host memory, the hot ones on the GPU.
+
+DSA reads only index_topk rows per layer per token, so a 1M-token cache can stay in host RAM while a
+small hot buffer on the attention's device serves the rows in use:
+
+    hot slots [0, window)              the most recent `window` tokens (slot = position % window)
+    hot slots [window, window + lru)   rows DSA selected lately, evicted least-recently-used
+    one dummy slot at the end          takes masked writes, so every step is fixed-size tensor work
+
+slot_of[t] is token t's hot slot or -1. Before attention the selected rows that are not hot (misses)
+are copied into LRU slots; attention then runs over the hot buffer with indices mapped through
+slot_of, which reads the very same row values as the untiered cache: the outputs are equal.
+On a CUDA device the misses are read straight from pinned host memory by a Triton gather (zero-copy);
+on the CPU both tiers are host tensors and the same logic runs with torch indexing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .errors import Glm5Error
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    # dst[dst_rows[i]] = src[src_rows[i]] for src_rows[i] >= 0; rows of WORDS 32-bit words
+    i = tl.program_id(0)
+    src_row = tl.load(src_rows_ptr + i)
+    if src_row >= 0:
+        dst_row = tl.load(dst_rows_ptr + i)
+        w = tl.arange(0, BLOCK)
+        values = tl.load(src_ptr + src_row * WORDS + w, mask=w < WORDS)
+        tl.store(dst_ptr + dst_row * WORDS + w, values, mask=w < WORDS)
+
+
+def gather_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor):
+    """dst[dst_rows[i]] = src[src_rows[i]] wherever src_rows[i] >= 0: the Triton gather for a GPU dst, torch's
+    indexing on the CPU."""
+    if dst.device.type == "cpu":
+        keep = src_rows >= 0
+        dst[dst_rows[keep]] = src[src_rows[keep]]
+    else:
+        gather_rows_triton(src, src_rows, dst, dst_rows)
+
+
+def gather_rows_triton(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor):
+    """The same in a kernel, one program per row. src may be pinned host memory while dst is on the GPU: the
+    loads then cross PCIe directly (zero-copy), with no staging copy. Rows must be whole 32-bit words."""
+    words = src.shape[1] * src.element_size() // 4
+    _gather_rows_kernel[(src_rows.numel(),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows,
+                                             WORDS=words, BLOCK=triton.next_power_of_2(words))
+
+
+class TieredLatent:
+    def __init__(self, max_seq_len: int, width: int, dtype: torch.dtype, device: torch.device, hot_rows: int,
+                 window: int):
+        """width: one row's elements of dtype (576 bf16, or 656 uint8 for the FP8 form)."""
+        if not 0 < window < hot_rows:
+            raise Glm5Error(f"the hot buffer of {hot_rows} rows must hold more than the window of {window} tokens")
+        self.device, self.window, self.lru = device, window, hot_rows - window
+        self.host = torch.empty(max_seq_len, width, dtype=dtype, pin_memory=device.type == "cuda")
+        self.hot = torch.empty(hot_rows + 1, width, dtype=dtype, device=device)  # + the dummy slot
+        self.slot_of = torch.full((max_seq_len + 1,), -1, dtype=torch.long, device=device)  # [-1]: dummy token
+        self.token_of = torch.full((self.lru + 1,), -1, dtype=torch.long, device=device)  # LRU slot -> token
+        self.stamp = torch.zeros(self.lru + 1, dtype=torch.long, device=device)  # LRU slot -> last step used
+        self.step = 0
+        self.end = 0  # tokens written
+        self.hits = torch.zeros((), dtype=torch.long, device=device)  # selected rows found hot / fetched
+        self.misses = torch.zeros((), dtype=torch.long, device=device)
+
+    def row_bytes(self) -> int:
+        return self.host.shape[1] * self.host.element_size()
+
+    def nbytes_hot(self) -> int:
+        return self.hot.numel() * self.hot.element_size() + (self.slot_of.numel() + 2 * self.stamp.numel()) * 8
+
+    def _reset(self, end: int):
+        """Forget the hot state (the cache was rewound to `end` tokens); refill the window from host."""
+        self.slot_of.fill_(-1)
+        self.token_of.fill_(-1)
+        self.stamp.zero_()
+        begin = max(0, end - self.window)
+        positions = torch.arange(begin, end, device=self.device)
+        self.hot[positions % self.window] = self.host[begin:end].to(self.device, non_blocking=True)
+        self.slot_of[positions] = positions % self.window
+        self.end = end
+
+    def write(self, start: int, rows: torch.Tensor):
+        """Rows [S, width] of tokens start .. start+S-1: to the host tier, and the last `window` to the hot one."""
+        if start != self.end:
+            self._reset(start)
+        end = start + rows.shape[0]
+        self.host[start:end].copy_(rows, non_blocking=True)
+        W = self.window
+        leaving = self.slot_of[max(0, start - W) : max(0, end - W)]
+        leaving.masked_fill_(leaving < W, -1)  # out of the window (unless since moved to an LRU slot)
+        begin = max(start, end - W)
+        positions = torch.arange(begin, end, device=self.device)
+        self.hot[positions % W] = rows[begin - start :]
+        self.slot_of[positions] = positions % W
+        self.end = end
+
+    def fetch(self, indices: torch.Tensor, below: int, window_from: int):
+        """Make the rows of indices [S, K] (< below; -1 = none) hot. Window rows of tokens < window_from count
+        as misses: they leave the window before attention reads them. Needs lru >= 2 S K."""
+        t = indices.flatten()
+        t = torch.where((t >= 0) & (t < below), t, -1).sort().values
+        t[1:].masked_fill_(t[1:] == t[:-1], -1)  # each token once
+        valid = t >= 0
+        slot = self.slot_of[t]  # t = -1 reads the dummy token's -1
+        hit = valid & (slot >= 0) & ((slot >= self.window) | (t >= window_from))
+        miss = valid & ~hit
+        self.step += 1
+        self.stamp[torch.where(hit & (slot >= self.window), slot - self.window, self.lru)] = self.step
+        victims = self.stamp[: self.lru].topk(t.numel(), largest=False).indices  # the least recently used
+        lru_slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)], self.lru)
+        evicted = self.token_of[lru_slot]
+        self.slot_of[evicted] = -1  # evicted = -1 for the dummy slot: the dummy token stays -1
+        self.slot_of[torch.where(miss, t, -1)] = lru_slot + self.window
+        self.slot_of[-1] = -1
+        self.token_of[lru_slot] = t
+        self.token_of[-1] = -1
+        self.stamp[lru_slot] = self.step
+        gather_rows(self.host, torch.where(miss, t, -1), self.hot, lru_slot + self.window)
+        self.hits += hit.sum()
+        self.misses += miss.sum()
+
+    def fits_fetch(self, indices: torch.Tensor) -> bool:
+        return 2 * indices.numel() <= self.lru

@@ -1,0 +1,157 @@
+"""The tiered latent cache: host rows + a hot buffer give exactly the untiered outputs (both tiers in host
+memory on the CPU; the hot one on the GPU with the `gpu` marker)."""
+
+import pytest
+import torch
+
+from glm5_offload.engine import Engine
+from glm5_offload.errors import Glm5Error
+from glm5_offload.loader import load_model
+from glm5_offload.rules import load_rules
+from glm5_offload.tiered_kv import TieredLatent, gather_rows_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_gather_kernel_matches_indexing():
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(50, 12, generator=g).bfloat16()  # 24 B rows = 6 words
+    dst = torch.full((20, 12), float("nan")).bfloat16().to(DEVICE)
+    src_rows = torch.tensor([3, -1, 49, 0, 17, -1])
+    dst_rows = torch.tensor([5, 19, 0, 11, 7, 19])
+    if DEVICE == "cuda":
+        src = src.pin_memory()  # read by the kernel straight from host memory
+    gather_rows_triton(src, src_rows.to(DEVICE), dst, dst_rows.to(DEVICE))
+    want = torch.full((20, 12), float("nan")).bfloat16()
+    want[[5, 0, 11, 7]] = src.cpu()[[3, 49, 0, 17]]
+    assert torch.equal(dst.cpu().isnan(), want.isnan())
+    assert torch.equal(dst.cpu()[~want.isnan()], want[~want.isnan()])
+
+
+def check_resident(tier: TieredLatent, tokens: torch.Tensor):
+    """Every selected token is hot with its exact host row; the slot map and the LRU table agree."""
+    slots = tier.slot_of[tokens]
+    assert (slots >= 0).all()
+    assert torch.equal(tier.hot[slots].cpu(), tier.host[tokens.cpu()])
+    in_lru = (tier.slot_of[:-1] >= tier.window).nonzero().flatten()
+    assert torch.equal(tier.token_of[tier.slot_of[in_lru] - tier.window], in_lru)
+    assert len(in_lru) <= tier.lru
+
+
+def test_fetch_keeps_selected_rows_hot_and_exact():
+    g = torch.Generator().manual_seed(1)
+    tier = TieredLatent(600, 8, torch.float32, torch.device(DEVICE), hot_rows=72, window=8)
+    tier.write(0, torch.randn(300, 8, generator=g).to(DEVICE))  # prefill: only the last 8 are hot
+    assert torch.equal(tier.slot_of[:300].cpu() >= 0, torch.arange(300) >= 292)
+    end, selected = 300, 0
+    for step in range(60):
+        tier.write(end, torch.randn(1, 8, generator=g).to(DEVICE))
+        end += 1
+        picks = torch.randperm(end, generator=g)[:16]
+        if step % 3:  # the same rows again (as DSA's selections mostly are): they must be hits
+            picks[:12] = last[:12]
+        indices = torch.cat([picks, torch.tensor([-1, -1])])[None].to(DEVICE)
+        tier.fetch(indices, end - 1, end - tier.window)  # the newest token (end - 1) is in the window
+        check_resident(tier, picks.to(DEVICE))
+        selected += len(set(picks.tolist()) - {end - 1})
+        last = picks
+    hits, misses = int(tier.hits), int(tier.misses)
+    assert hits + misses == selected and hits > selected // 3 and misses > 0
+
+    # the cache rewound (a new prompt shares only a prefix): the hot state restarts from the host rows
+    tier.write(200, torch.randn(3, 8, generator=g).to(DEVICE))
+    assert torch.equal(tier.slot_of[:400].cpu() >= 0, (torch.arange(400) >= 195) & (torch.arange(400) < 203))
+    picks = torch.tensor([0, 150, 199, 201]).to(DEVICE)
+    tier.fetch(picks[None], 200, 203 - tier.window)
+    check_resident(tier, picks)
+
+
+def offload_rules(tmp_path, device, hot_budget, window, kv_dtype="auto", op="attention.reference"):
+    path = tmp_path / f"offload-{kv_dtype}-{hot_budget}.yaml"
+    path.write_text(f"""
+- default: {{device: {device}}}
+- match: {{class: Attention}}
+  replace:
+    op: {op}
+    kwargs: {{kv_offload: true, hot_budget: {hot_budget}, window: {window}, kv_dtype: {kv_dtype}}}
+""")
+    return load_rules(path)
+
+
+def plain_rules(tmp_path, device, kv_dtype="auto", op="attention.reference"):
+    path = tmp_path / f"plain-{kv_dtype}.yaml"
+    path.write_text(f"""
+- default: {{device: {device}}}
+- match: {{class: Attention}}
+  replace: {{op: {op}, kwargs: {{kv_dtype: {kv_dtype}}}}}
+""")
+    return load_rules(path)
+
+
+def run_greedy(model, prompt, steps):
+    """Prefill, then greedy decode one token at a time: every step's logits."""
+    cache = model.new_cache(128)
+    logits = [model(prompt.to(model.device), cache)]
+    for _ in range(steps):
+        token = logits[-1][-1].argmax().reshape(1)
+        logits.append(model(token.to(model.device), cache))
+    return torch.cat(logits).cpu(), cache
+
+
+ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
+
+
+@pytest.mark.parametrize("device", ON)
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype):
+    """A context far larger than the hot buffer (24 rows of 48 for 100 tokens): the same logits, bit for bit,
+    IndexShare's prefetched layers and the prefill's staged path included."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    row = 32 + 4 + 16 * 2 if kv_dtype == "fp8" else 48 * 4  # bytes of one latent row (fp32 model)
+    op = "attention.dsa_triton" if device == "cuda" else "attention.reference"
+    plain = load_model(path, dtype=torch.float32, rules=plain_rules(tmp_path, device, kv_dtype, op))
+    tiered = load_model(path, dtype=torch.float32, rules=offload_rules(tmp_path, device, 24 * row, 4, kv_dtype, op))
+    prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(3))
+    want, _ = run_greedy(plain, prompt, 60)
+    got, cache = run_greedy(tiered, prompt, 60)
+    assert torch.equal(got, want)
+    stats = cache.offload_stats()
+    assert stats["hits"] > 0 and stats["misses"] > 0 and stats["fetched_bytes"] == stats["misses"] * row
+    assert cache.prefetched == {}  # every shared layer's prefetch was used
+
+
+def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):
+    """Two prompts sharing a prefix: the second reuses the cached rows and still matches the untiered engine."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    plain = Engine(load_model(path, dtype=torch.float32, rules=plain_rules(tmp_path, "cpu")), max_seq_len=128)
+    tiered = Engine(load_model(path, dtype=torch.float32, rules=offload_rules(tmp_path, "cpu", 24 * 192, 4)),
+                    max_seq_len=128)
+    first = list(range(10, 50))
+    second = first[:30] + list(range(100, 120))
+    for engine in (plain, tiered):
+        engine.stop_ids = set()
+    for prompt in (first, second):
+        a, b = plain.generate(prompt, 20), tiered.generate(prompt, 20)
+        assert a.output_ids == b.output_ids
+    assert b.reused_tokens == 30
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ("{kv_dtype: int3}", "kv_dtype must be 'auto'"),
+    ("{kv_offload: 1}", "kv_offload must be true or false"),
+    ("{hot_budget: lots}", "hot_budget: 'lots' is not a size"),
+    ("{window: 0}", "window must be a positive number"),
+])
+def test_bad_layout_kwargs_name_the_rule(tmp_path, kwargs, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"- match: {{class: Attention}}\n  replace: {{op: attention.reference, kwargs: {kwargs}}}\n")
+    with pytest.raises(Glm5Error, match=message) as e:
+        load_rules(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_hot_buffer_too_small_is_refused(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    model = load_model(path, dtype=torch.float32, rules=offload_rules(tmp_path, "cpu", 10 * 192, 4))
+    with pytest.raises(Glm5Error, match="hot_budget 1920 B holds 10 latent rows of 192 B: it needs at least window 4"):
+        model.new_cache(64)
