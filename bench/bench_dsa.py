@@ -35,6 +35,53 @@ def mla_case(S, T):
     return ms, ref_ms, S * TOPK * (L + R) * 2, 2 * S * H * TOPK * (L + R + L)
 
 
+def decode_sweep(T: int = 131072) -> dict:
+    """Decode kernels replayed from CUDA graphs (GPU time alone), over block shapes: the best of each."""
+    out = {}
+    q = torch.randn(1, H_IDX, D_IDX, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1, H_IDX, device="cuda")
+    for T_idx in (131072, 1048576):
+        keys = torch.randn(T_idx, D_IDX, device="cuda", dtype=torch.bfloat16)
+        k8, scales = dsa_triton.quantize_keys_reference(keys)
+        for name, kw, nbytes in (("bf16", {}, T_idx * D_IDX * 2), ("fp8", {"key_scales": scales}, T_idx * (D_IDX + 4))):
+            k = keys if name == "bf16" else k8
+            timings = {}
+            for block_t in (128, 256, 512):
+                for warps in (4, 8):
+                    ms = ceilings.graph_ms(lambda: dsa_triton.indexer_scores(q, k, w, T_idx - 1, block_t=block_t,
+                                                                             num_warps=warps, **kw))
+                    timings[f"block_t={block_t},warps={warps}"] = ms * 1e3
+            best = min(timings, key=timings.get)
+            out[f"indexer_decode_{name}_{T_idx}"] = {"best": best, "us": timings[best],
+                                                     "gb_s": (nbytes + T_idx * 4) / timings[best] / 1e3}
+    row = torch.randn(1048576, device="cuda")
+    out["topk_torch_1m_graph_us"] = ceilings.graph_ms(lambda: row.topk(TOPK)) * 1e3
+    for S in (1, 32):
+        q_lat = torch.randn(S, H, L, device="cuda", dtype=torch.bfloat16)
+        q_pe = torch.randn(S, H, R, device="cuda", dtype=torch.bfloat16)
+        latent = torch.randn(T, L + R, device="cuda", dtype=torch.bfloat16)
+        from glm5_offload.kv_cache import quantize_latent
+
+        packed = quantize_latent(latent, L)
+        indices = torch.stack([torch.randperm(T, device="cuda")[:TOPK] for _ in range(S)])
+        for form, lat in (("bf16", latent), ("fp8", packed)):
+            timings = {}
+            for block_h in (16, 32, 64):
+                for block_k in (32, 64):
+                    for warps in (4, 8):
+                        try:
+                            ms = ceilings.graph_ms(lambda: dsa_triton.sparse_mla(
+                                q_lat, q_pe, lat, indices, L, 0.06, block_h=block_h, block_k=block_k, num_warps=warps))
+                        except Exception as e:  # a shape that does not compile (out of shared memory)
+                            print(f"sparse_mla block_h={block_h} block_k={block_k} warps={warps}: {type(e).__name__}")
+                            continue
+                        timings[f"block_h={block_h},block_k={block_k},warps={warps}"] = ms * 1e3
+            best = min(timings, key=timings.get)
+            out[f"sparse_mla_decode_{form}_b{S}"] = {"best": best, "us": timings[best],
+                                                     "all": dict(sorted(timings.items(), key=lambda kv: kv[1])[:4])}
+    return out
+
+
 def main():
     hbm, mm = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
     rows = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": mm}
@@ -58,7 +105,12 @@ def main():
     mla = rows["sparse_mla_decode_b1"]["us"]
     glm5, glm52 = 78 * (per_full + mla), 21 * per_full + 78 * mla
     rows["attention_per_token_1m_us"] = {"glm5_all_full": glm5, "glm52_freq4": glm52, "ratio": glm5 / glm52}
+    rows["graphs"] = decode_sweep()
     print(json.dumps(rows, indent=1))
+    print("\nfrom CUDA graphs (GPU time without Python launch cost), best block shape of a sweep:")
+    for name, r in rows["graphs"].items():
+        print(f"  {name}: {r if isinstance(r, float) else r['us']:.1f} us" +
+              ("" if isinstance(r, float) else f" ({r['best']}" + (f", {r['gb_s']:.0f} GB/s = {r['gb_s'] / hbm:.0%} of HBM copy)" if "gb_s" in r else ")")))
     print("\n| figure | value |\n| --- | --- |")
     print(f"| HBM copy / bf16 matmul | {hbm:.0f} GB/s / {mm:.0f} TFLOP/s |")
     for T in (131072, 1048576):

@@ -19,6 +19,20 @@ def time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_ms(fn, iters: int = 20) -> float:
+    """Median milliseconds of fn() replayed from a CUDA graph: the GPU's time without Python's launch cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, iters=iters)
+
+
 def hbm_copy_gb_s(n_bytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     src = torch.randn(n_bytes // 4, device="cuda")

@@ -5,12 +5,16 @@ runs no indexer and keeps no indexer cache. Selection uses torch.topk on the ker
 """
 
 from .kernels import dsa_triton
-from .model import Attention, Indexer
+from .model import _SCORE_BUDGET, Attention, Indexer
 
 
 class TritonIndexer(Indexer):
     def scores(self, q, keys, weights, start):
         return dsa_triton.indexer_scores(q, keys, weights, start)
+
+    def query_chunk(self, n_keys: int) -> int:
+        """The kernel sums over heads as it goes: only [queries, keys] scores are held."""
+        return max(1, 2 * _SCORE_BUDGET // n_keys)
 
 
 class TritonAttention(Attention):

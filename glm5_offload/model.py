@@ -142,6 +142,10 @@ class Indexer(nn.Module):
         """Index scores [S, T] (plain torch here; attention.dsa_triton's indexer overrides it)."""
         return indexer_scores(q, keys, weights, start)
 
+    def query_chunk(self, n_keys: int) -> int:
+        """Queries scored per call: the reference holds [queries, heads, keys] logits at once."""
+        return max(1, _SCORE_BUDGET // (self.n_heads * n_keys))
+
     def _rope(self, t, cos, sin):
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
@@ -157,7 +161,7 @@ class Indexer(nn.Module):
         keys[start : start + S] = k
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
         keys = keys[: start + S]
-        chunk = max(1, _SCORE_BUDGET // (self.n_heads * keys.shape[0]))
+        chunk = self.query_chunk(keys.shape[0])
         return torch.cat([
             topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s), self.topk)
             for s in range(0, S, chunk)
