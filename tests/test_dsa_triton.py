@@ -57,7 +57,7 @@ def check_mla(S, H, L, R, T, K, dtype, seed, splits=None, fp8=False):
     mask = torch.zeros(S, T, dtype=torch.bool, device=DEVICE)
     mask.scatter_(1, indices.clamp(min=0), indices >= 0)
     want = (scores * 0.07).masked_fill(~mask[:, None], float("-inf")).logsumexp(-1)
-    assert rel_err(lse, want) < 1e-4
+    assert rel_err(lse, want) < (1e-3 if fp8 else 1e-4)  # fp8: dequantised rows enter the dot rounded to bf16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
