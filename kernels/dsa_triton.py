@@ -211,7 +211,7 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
         splits = 1 if INTERPRET else max(1, min(triton.cdiv(K, block_k), 264 // (S * head_blocks)))
     rows_per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
     splits = triton.cdiv(K, rows_per_split)
-    cast = INTERPRET or latent.dtype == torch.float32 or q_lat.dtype == torch.float32
+    cast = INTERPRET or latent.dtype == torch.float32
     dtype = torch.float32 if cast else torch.bfloat16 if fp8 else latent.dtype
     out = torch.empty(S, H, L, dtype=torch.float32, device=q_lat.device) if out is None else out
     lse = torch.empty(S, H, dtype=torch.float32, device=q_lat.device) if lse is None else lse
