@@ -82,6 +82,56 @@ def decode_sweep(T: int = 131072) -> dict:
     return out
 
 
+def prefill_sweep() -> dict:
+    """Prefill kernels (eager: milliseconds each) over block shapes and pipeline stages: TFLOP/s of each."""
+    out = {}
+    S, T = 2048, 16384
+    q = torch.randn(S, H_IDX, D_IDX, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(T, D_IDX, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(S, H_IDX, device="cuda")
+    flops = 2 * S * H_IDX * D_IDX * T
+    timings = {}
+    for block_s in (4, 8):
+        for block_t in (64, 128):
+            for key_blocks in (1, 4):
+                for warps in (4, 8):
+                    name = f"block_s={block_s},block_t={block_t},key_blocks={key_blocks},warps={warps}"
+                    try:
+                        ms = ceilings.time_ms(lambda: dsa_triton.indexer_scores(
+                            q, keys, w, T - S, block_s=block_s, block_t=block_t, key_blocks=key_blocks, num_warps=warps))
+                    except Exception as e:
+                        print(f"indexer {name}: {type(e).__name__}")
+                        continue
+                    timings[name] = flops / ms / 1e9
+    best = max(timings, key=timings.get)
+    out["indexer_prefill_tflops"] = {"best": best, "tflops": timings[best],
+                                     "top": dict(sorted(timings.items(), key=lambda kv: -kv[1])[:4])}
+    T = 131072
+    q_lat = torch.randn(S, H, L, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(S, H, R, device="cuda", dtype=torch.bfloat16)
+    latent = torch.randn(T, L + R, device="cuda", dtype=torch.bfloat16)
+    indices = torch.stack([torch.randperm(T, device="cuda")[:TOPK] for _ in range(S)])
+    flops = 2 * S * H * TOPK * (L + R + L)
+    timings = {}
+    for block_h in (32, 64):
+        for block_k in (32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2):
+                    name = f"block_h={block_h},block_k={block_k},warps={warps},stages={stages}"
+                    try:
+                        ms = ceilings.time_ms(lambda: dsa_triton.sparse_mla(
+                            q_lat, q_pe, latent, indices, L, 0.06, block_h=block_h, block_k=block_k,
+                            num_warps=warps, num_stages=stages), iters=5)
+                    except Exception as e:
+                        print(f"sparse_mla {name}: {type(e).__name__}")
+                        continue
+                    timings[name] = flops / ms / 1e9
+    best = max(timings, key=timings.get)
+    out["sparse_mla_prefill_tflops"] = {"best": best, "tflops": timings[best],
+                                        "top": dict(sorted(timings.items(), key=lambda kv: -kv[1])[:4])}
+    return out
+
+
 def main():
     hbm, mm = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
     rows = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": mm}
@@ -106,7 +156,10 @@ def main():
     glm5, glm52 = 78 * (per_full + mla), 21 * per_full + 78 * mla
     rows["attention_per_token_1m_us"] = {"glm5_all_full": glm5, "glm52_freq4": glm52, "ratio": glm5 / glm52}
     rows["graphs"] = decode_sweep()
+    rows["prefill_sweep"] = prefill_sweep()
     print(json.dumps(rows, indent=1))
+    for name, r in rows["prefill_sweep"].items():
+        print(f"  {name}: best {r['tflops']:.0f} TFLOP/s ({r['best']})")
     print("\nfrom CUDA graphs (GPU time without Python launch cost), best block shape of a sweep:")
     for name, r in rows["graphs"].items():
         print(f"  {name}: {r if isinstance(r, float) else r['us']:.1f} us" +

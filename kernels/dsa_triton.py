@@ -63,39 +63,41 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 @triton.jit
 def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, S, T, start, scale,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                    CAST: tl.constexpr, FP8: tl.constexpr):
+                    KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
     # q [S, H, D], keys [T, D] (FP8: e4m3 with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
-    # one program: BLOCK_S queries x BLOCK_T keys. An FP8 key's scale (> 0) comes out of the ReLU:
-    # relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and the score is scaled after.
+    # one program: BLOCK_S queries x KEY_BLOCKS blocks of BLOCK_T keys, the queries loaded once. An FP8 key's
+    # scale (> 0) comes out of the ReLU: relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and
+    # the score is scaled after.
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
-    cols = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
     row_ok = rows < S * H
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
-    if FP8:
-        k = k.to(q.dtype)  # e4m3 values are exact in bf16 and fp32
     if CAST:
-        q, k = q.to(tl.float32), k.to(tl.float32)
-    logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
+        q = q.to(tl.float32)
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
-    weighted = tl.maximum(logits, 0.0) * w[:, None]
-    scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
-    if FP8:
-        scores = scores * tl.load(ks_ptr + cols, mask=cols < T, other=1.0)[None, :]
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    scores = tl.where(cols[None, :] > start + s[:, None], float("-inf"), scores)
-    tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
+    for b in tl.static_range(KEY_BLOCKS):
+        cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
+        k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
+        k = k.to(q.dtype)  # e4m3 values are exact in bf16 and fp32
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
+        weighted = tl.maximum(logits, 0.0) * w[:, None]
+        scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
+        if FP8:
+            scores = scores * tl.load(ks_ptr + cols, mask=cols < T, other=1.0)[None, :]
+        scores = tl.where(cols[None, :] > start + s[:, None], float("-inf"), scores)
+        tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int,
                    out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
-                   block_t: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                   block_s: int | None = None, block_t: int | None = None, key_blocks: int | None = None,
+                   num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > start + s.
 
     q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32
-    -> [S, T] fp32.
+    -> [S, T] fp32. The block shapes default to the fastest of bench_dsa's sweep on an H200.
     """
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
@@ -103,13 +105,17 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
     S, H, D = q.shape
     T = keys.shape[0]
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
-    block_s = min(max(1, 128 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
-    block_t = block_t or (256 if S <= 4 else 128)
-    grid = (triton.cdiv(T, block_t), triton.cdiv(S, block_s))
+    decode = S <= 4
+    block_s = min(block_s or max(1, 128 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
+    block_t = block_t or 128
+    key_blocks = key_blocks or 1
+    num_warps = num_warps or (8 if decode else 4)
+    grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
     _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(), out, S, T, start,
-                          D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t,
-                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps)
+                          D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
+                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps,
+                          num_stages=num_stages)
     return out
 
 
@@ -191,20 +197,22 @@ def fp8_latent_group(kv_lora_rank: int) -> int:
 
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
-               lse: torch.Tensor | None = None, splits: int | None = None, block_h: int = 16,
-               block_k: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+               lse: torch.Tensor | None = None, splits: int | None = None, block_h: int | None = None,
+               block_k: int | None = None, num_warps: int = 8, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
     one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
     GLM-5, see kv_cache.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
 
     Few queries (decode) split the selected rows over several programs, flash-decoding style, and a second
-    kernel combines the splits by their log-sum-exp."""
+    kernel combines the splits by their log-sum-exp. The block shapes default to the fastest of bench_dsa's
+    sweep on an H200: 16 heads per program for one query, all 64 (rows read once) for several."""
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
     fp8 = latent.dtype == torch.uint8
     G = fp8_latent_group(L)
     assert L == kv_lora_rank and latent.shape[1] == (L + 4 * (L // G) + 2 * R if fp8 else L + R)
     block_k = block_k or (128 if INTERPRET else 64)
+    block_h = block_h or (64 if S > 1 and H >= 64 else 16)
     head_blocks = triton.cdiv(H, block_h)
     # enough programs to fill the GPU: split the rows when queries x head blocks are few
     if splits is None:
@@ -220,7 +228,7 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     _sparse_mla_kernel[(S, head_blocks, splits)](
         q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(),
         part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, G=G, BLOCK_H=block_h, BLOCK_K=block_k,
-        CAST=cast, FP8=fp8, num_warps=num_warps)
+        CAST=cast, FP8=fp8, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits), L=L)
     return out, lse

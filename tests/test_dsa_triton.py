@@ -14,13 +14,13 @@ from conftest import rel_err
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_indexer(S, H, D, T, start, dtype, seed):
+def check_indexer(S, H, D, T, start, dtype, seed, **blocks):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(S, H, D, generator=g).to(DEVICE, dtype)
     keys = torch.randn(T, D, generator=g).to(DEVICE, dtype)
     w = torch.randn(S, H, generator=g).to(DEVICE)
     out = torch.full((S, T), float("nan"), device=DEVICE)  # poisoned: every element must be written
-    got = dsa_triton.indexer_scores(q, keys, w, start, out=out)
+    got = dsa_triton.indexer_scores(q, keys, w, start, out=out, **blocks)
     ref = indexer_scores(q, keys, w, start)
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite)  # the causal limit, and nothing left unwritten
@@ -33,6 +33,10 @@ def check_indexer(S, H, D, T, start, dtype, seed):
 @pytest.mark.parametrize("S, H, T, start", [(1, 8, 300, 299), (7, 8, 389, 382), (5, 16, 129, 100)])
 def test_indexer_scores(dtype, S, H, T, start):
     check_indexer(S, H, 32, T, start, dtype, seed=S * 1000 + T)
+
+
+def test_indexer_scores_several_key_blocks_per_program():  # the last program's blocks run past T
+    check_indexer(6, 8, 32, 700, 694, torch.bfloat16, seed=5, block_s=2, block_t=64, key_blocks=3)
 
 
 def check_mla(S, H, L, R, T, K, dtype, seed, splits=None, fp8=False):
