@@ -106,10 +106,10 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
     T = keys.shape[0]
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
     decode = S <= 4
-    block_s = min(block_s or max(1, 128 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
+    block_s = min(block_s or max(1, 256 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
     block_t = block_t or 128
-    key_blocks = key_blocks or 1
-    num_warps = num_warps or (8 if decode else 4)
+    key_blocks = key_blocks or (1 if decode else 4)
+    num_warps = num_warps or 8
     grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
     _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(), out, S, T, start,
@@ -198,7 +198,7 @@ def fp8_latent_group(kv_lora_rank: int) -> int:
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
                lse: torch.Tensor | None = None, splits: int | None = None, block_h: int | None = None,
-               block_k: int | None = None, num_warps: int = 8, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+               block_k: int | None = None, num_warps: int = 8, num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
     one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
     GLM-5, see kv_cache.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
@@ -213,6 +213,7 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     assert L == kv_lora_rank and latent.shape[1] == (L + 4 * (L // G) + 2 * R if fp8 else L + R)
     block_k = block_k or (128 if INTERPRET else 64)
     block_h = block_h or (64 if S > 1 and H >= 64 else 16)
+    num_stages = num_stages or (3 if block_h <= 16 else 2)  # 64 heads x 3 stages overflow shared memory
     head_blocks = triton.cdiv(H, block_h)
     # enough programs to fill the GPU: split the rows when queries x head blocks are few
     if splits is None:
