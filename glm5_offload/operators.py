@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-
 DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP32_WEIGHTS = ("e_score_correction_bias", "weights_proj.weight")  # kept fp32 whatever the format
 
@@ -66,8 +65,8 @@ class AttentionOperator(Operator):
     """Attention: its kwargs say how the layer keeps its latent rows (kv_cache.latent_layout)."""
 
     def check_kwargs(self, kwargs: dict) -> str | None:
-        from .kv_cache import latent_layout
         from .errors import Glm5Error
+        from .kv_cache import latent_layout
 
         try:
             latent_layout(kwargs)

@@ -8,8 +8,8 @@ from torch import nn
 from .attention_triton import TritonAttention, TritonIndexer
 from .experts_numba import NUMBA_EXPERTS
 from .kernels.dsa_triton import INTERPRET
-from .model import MLP, Attention, Experts, Indexer, LMHead, RMSNorm, Router
 from .kv_cache import LAYOUT_KWARGS
+from .model import MLP, Attention, Experts, Indexer, LMHead, RMSNorm, Router
 from .operators import AttentionOperator, Operator
 
 REGISTRY: dict[str, Operator] = {

@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+from conftest import rel_err
 
 from glm5_offload.kernels import dsa_triton
 from glm5_offload.kv_cache import dequantize_latent, fp8_row_width, quantize_latent
 from glm5_offload.loader import load_model
 from glm5_offload.model import indexer_scores, sparse_mla, topk_indices
 from glm5_offload.rules import load_rules
-
-from conftest import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

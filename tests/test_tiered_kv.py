@@ -43,7 +43,7 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     tier = TieredLatent(600, 8, torch.float32, torch.device(DEVICE), hot_rows=72, window=8)
     tier.write(0, torch.randn(300, 8, generator=g).to(DEVICE))  # prefill: only the last 8 are hot
     assert torch.equal(tier.slot_of[:300].cpu() >= 0, torch.arange(300) >= 292)
-    end, selected = 300, 0
+    end, selected, last = 300, 0, None
     for step in range(60):
         tier.write(end, torch.randn(1, 8, generator=g).to(DEVICE))
         end += 1
