@@ -1,16 +1,28 @@
 """`attention.dsa_triton` and `indexer.dsa_triton`: the same modules with their cores in Triton kernels.
 
 Weights, cache layout and IndexShare behaviour are the reference's (model.py): a shared layer still
-runs no indexer and keeps no indexer cache. Selection uses torch.topk on the kernel's scores.
+runs no indexer and keeps no indexer cache. Selection uses torch.topk on the kernel's scores. FP8 indexer
+keys are roped and quantised by one kernel straight into the cache rows.
 """
 
 from .kernels import dsa_triton
+from .kv_cache import FP8Keys
 from .model import _SCORE_BUDGET, Attention, Indexer
 
 
 class TritonIndexer(Indexer):
-    def scores(self, q, keys, weights, start):
-        return dsa_triton.indexer_scores(q, keys, weights, start)
+    def scores(self, q, keys, weights, start, end):
+        if isinstance(keys, FP8Keys):
+            return dsa_triton.indexer_scores(q, keys.values[:end], weights, start, key_scales=keys.scales[:end])
+        return dsa_triton.indexer_scores(q, keys[:end], weights, start)
+
+    def write_keys(self, k, cos, sin, keys, start):
+        """FP8 rows: rope and quantisation in one kernel, straight into the cache."""
+        if not isinstance(keys, FP8Keys):
+            return super().write_keys(k, cos, sin, keys, start)
+        end = start + k.shape[0]
+        dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values[start:end],
+                                      keys.scales[start:end])
 
     def query_chunk(self, n_keys: int) -> int:
         """The kernel sums over heads as it goes: only [queries, keys] scores are held."""

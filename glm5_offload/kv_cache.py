@@ -4,7 +4,9 @@ Per layer: latent rows [max_seq_len, kv_lora_rank + qk_rope_head_dim] = [normed 
 model's dtype, or in the FP8 form (656 B for GLM-5): [c as e4m3 | one fp32 scale per 128 values of c |
 k_pe as bf16], as uint8 bytes. A layer's rows live on its attention's device, or (offload) in pinned host
 memory with a hot buffer on the device (tiered_kv.py).
-Per full (indexer-owning) layer: indexer keys [max_seq_len, index_head_dim]. Shared layers keep none.
+Per full (indexer-owning) layer: indexer keys [max_seq_len, index_head_dim] on the indexer's device, in the
+model's dtype, or with an FP8 layout as e4m3 values plus one fp32 scale per key (132 B for GLM-5).
+Shared layers keep none.
 """
 
 from dataclasses import dataclass
@@ -18,10 +20,18 @@ from .tiered_kv import TieredLatent
 
 
 @dataclass(frozen=True)
+class FP8Keys:
+    """A full layer's indexer keys in the FP8 form: e4m3 values [max_seq_len, D] and fp32 scales [max_seq_len]."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+@dataclass(frozen=True)
 class LatentLayout:
     """How one layer keeps its latent rows (from the attention rule's kwargs)."""
 
-    fp8: bool = False
+    fp8: bool = False  # latent rows in the 656 B form, and the layer's indexer keys in the 132 B one
     offload: bool = False  # rows in host memory, a hot buffer on the attention's device
     hot_bytes: int = 256 << 20  # with offload: the hot buffer's budget
     window: int = 1024  # with offload: recent tokens always hot
@@ -98,9 +108,14 @@ class KVCache:
                 self.latent.append(torch.empty(max_seq_len, width, device=device, dtype=row_dtype))
         self.staging = {key: torch.empty(max_seq_len, width, dtype=key[1], device=key[0])
                         for key, width in staging_rows.items()}
-        self.index_keys = {
-            i: torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype) for i, d in index_devices.items()
-        }
+        self.index_keys: dict[int, torch.Tensor | FP8Keys] = {}
+        for i, d in index_devices.items():
+            if self.layouts[i].fp8:
+                self.index_keys[i] = FP8Keys(
+                    torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=torch.float8_e4m3fn),
+                    torch.empty(max_seq_len, device=d, dtype=torch.float32))
+            else:
+                self.index_keys[i] = torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype)
         self.prefetched: dict[int, torch.cuda.Event | None] = {}  # offloaded layer -> its pending prefetch
         self.side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.length = 0  # tokens whose rows are written in every layer
@@ -176,4 +191,7 @@ class KVCache:
             else:
                 total += rows_store.numel() * rows_store.element_size()
         total += sum(t.numel() * t.element_size() for t in self.staging.values())
-        return total + sum(t.numel() * t.element_size() for t in self.index_keys.values())
+        for keys in self.index_keys.values():
+            for t in (keys.values, keys.scales) if isinstance(keys, FP8Keys) else (keys,):
+                total += t.numel() * t.element_size()
+        return total

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kv_cache import KVCache, LatentLayout, dequantize_latent
+from .kernels.dsa_triton import quantize_keys_reference
+from .kv_cache import FP8Keys, KVCache, LatentLayout, dequantize_latent
 from .rope import apply_rope, cos_sin, inv_freq_and_scaling
 
 # Queries per attention chunk are bounded so that heads x queries x keys scores stay near this many.
@@ -138,9 +139,22 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(config.hidden_size, self.n_heads)  # kept fp32
 
-    def scores(self, q, keys, weights, start):
-        """Index scores [S, T] (plain torch here; attention.dsa_triton's indexer overrides it)."""
-        return indexer_scores(q, keys, weights, start)
+    def scores(self, q, keys, weights, start: int, end: int):
+        """Index scores [S, end] against the first `end` cached keys (plain torch here; indexer.dsa_triton's
+        kernel overrides it)."""
+        if isinstance(keys, FP8Keys):
+            return indexer_scores(q, keys.values[:end].float() * keys.scales[:end, None], weights, start)
+        return indexer_scores(q, keys[:end], weights, start)
+
+    def write_keys(self, k, cos, sin, keys, start: int):
+        """Rope the new keys k [S, head_dim] and write them into the cache rows (FP8: values and scales)."""
+        k = self._rope(k, cos, sin)
+        if isinstance(keys, FP8Keys):
+            values, scales = quantize_keys_reference(k)
+            keys.values[start : start + k.shape[0]] = values
+            keys.scales[start : start + k.shape[0]] = scales
+        else:
+            keys[start : start + k.shape[0]] = k
 
     def query_chunk(self, n_keys: int) -> int:
         """Queries scored per call: the reference holds [queries, heads, keys] logits at once."""
@@ -150,20 +164,19 @@ class Indexer(nn.Module):
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
 
-    def forward(self, x, qr, cos, sin, keys: torch.Tensor, start: int):
-        """x [S, hidden], qr [S, q_lora]; keys: this layer's indexer-key cache [max_seq, head_dim].
+    def forward(self, x, qr, cos, sin, keys, start: int):
+        """x [S, hidden], qr [S, q_lora]; keys: this layer's indexer-key cache rows (a tensor, or FP8Keys).
 
         Returns the selected token positions [S, min(topk, start+S)] (int64), -1 where fewer are valid.
         """
         S = x.shape[0]
         q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
-        keys[start : start + S] = k
+        self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, start)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        keys = keys[: start + S]
-        chunk = self.query_chunk(keys.shape[0])
+        end = start + S
+        chunk = self.query_chunk(end)
         return torch.cat([
-            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s), self.topk)
+            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s, end), self.topk)
             for s in range(0, S, chunk)
         ])
 

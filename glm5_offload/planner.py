@@ -95,7 +95,7 @@ class Plan:
     placement: Placement
     max_seq_len: int
     kv_dtypes: list[str]  # the latent forms the attention layers use
-    key_bytes: int  # one token's indexer key in one full layer
+    key_bytes: int  # one token's indexer key in one full layer (the largest form, if the layers differ)
     expert_format: str
     active_expert_bytes: int  # routed-expert bytes one decode token reads (payload, no scales)
     devices: list[DevicePlan]
@@ -161,7 +161,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
         return devices[device]
 
     compute_kv = DTYPE_FORMATS[dtype]
-    key = index_key_bytes(config, kv_dtype or compute_kv)
+    key_kinds = set()
     activation_bytes = 4  # temporaries are fp32 at worst
     staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
     latent_kinds = set()
@@ -184,6 +184,10 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                 staging[slot.device] = max(staging.get(slot.device, 0), row)
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
         elif isinstance(slot.module, Indexer):
+            attention = placement.slots[slot.name.rpartition(".")[0]]  # the layout of its layer decides the form
+            key = index_key_bytes(config, "fp8" if latent_layout(attention.kwargs, kv_dtype if kv_dtype == "fp8" else None).fp8
+                                  else kv_dtype or compute_kv)
+            key_kinds.add(key)
             d.per_token += key
             d.indexer_keys += key * max_seq_len
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
@@ -200,7 +204,8 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                               if isinstance(s.module, Experts)), DTYPE_FORMATS[dtype])
     bits = EXPERT_FORMATS.get(expert_format.split("/")[0]) or torch.finfo(dtype).bits
     active = active_expert_weights(config) * bits // 8
-    return Plan(config, placement, max_seq_len, sorted(latent_kinds) or [compute_kv], key, expert_format, active,
+    key_bytes = max(key_kinds, default=index_key_bytes(config, kv_dtype or compute_kv))
+    return Plan(config, placement, max_seq_len, sorted(latent_kinds) or [compute_kv], key_bytes, expert_format, active,
                 sorted(devices.values(), key=lambda d: d.device))
 
 

@@ -6,6 +6,7 @@ import torch
 
 from glm5_offload.engine import Engine
 from glm5_offload.errors import Glm5Error
+from glm5_offload.kv_cache import FP8Keys
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.tiered_kv import TieredLatent, gather_rows_triton
@@ -67,23 +68,22 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
 
 
 def offload_rules(tmp_path, device, hot_budget, window, kv_dtype="auto", op="attention.reference"):
-    path = tmp_path / f"offload-{kv_dtype}-{hot_budget}.yaml"
-    path.write_text(f"""
-- default: {{device: {device}}}
-- match: {{class: Attention}}
-  replace:
-    op: {op}
-    kwargs: {{kv_offload: true, hot_budget: {hot_budget}, window: {window}, kv_dtype: {kv_dtype}}}
-""")
-    return load_rules(path)
+    return layout_rules(tmp_path / f"offload-{kv_dtype}-{hot_budget}.yaml", device, op,
+                        f"{{kv_offload: true, hot_budget: {hot_budget}, window: {window}, kv_dtype: {kv_dtype}}}")
 
 
 def plain_rules(tmp_path, device, kv_dtype="auto", op="attention.reference"):
-    path = tmp_path / f"plain-{kv_dtype}.yaml"
+    return layout_rules(tmp_path / f"plain-{kv_dtype}.yaml", device, op, f"{{kv_dtype: {kv_dtype}}}")
+
+
+def layout_rules(path, device, op, kwargs):
+    indexer = "indexer.dsa_triton" if op == "attention.dsa_triton" else "indexer.reference"
     path.write_text(f"""
 - default: {{device: {device}}}
 - match: {{class: Attention}}
-  replace: {{op: {op}, kwargs: {{kv_dtype: {kv_dtype}}}}}
+  replace: {{op: {op}, kwargs: {kwargs}}}
+- match: {{class: Indexer}}
+  replace: {{op: {indexer}}}
 """)
     return load_rules(path)
 
@@ -118,6 +118,7 @@ def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype)
     stats = cache.offload_stats()
     assert stats["hits"] > 0 and stats["misses"] > 0 and stats["fetched_bytes"] == stats["misses"] * row
     assert cache.prefetched == {}  # every shared layer's prefetch was used
+    assert isinstance(cache.index_keys[0], FP8Keys) == (kv_dtype == "fp8")  # 132 B keys go with 656 B rows
 
 
 def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):
