@@ -205,14 +205,16 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
 
     Few queries (decode) split the selected rows over several programs, flash-decoding style, and a second
     kernel combines the splits by their log-sum-exp. The block shapes default to the fastest of bench_dsa's
-    sweep on an H200: 16 heads per program for one query, all 64 (rows read once) for several."""
+    sweep on an H200."""
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
     fp8 = latent.dtype == torch.uint8
     G = fp8_latent_group(L)
     assert L == kv_lora_rank and latent.shape[1] == (L + 4 * (L // G) + 2 * R if fp8 else L + R)
     block_k = block_k or (128 if INTERPRET else 64)
-    block_h = block_h or (64 if S > 1 and H >= 64 else 16)
+    # one query: 16 heads a program (more programs); several: up to 64 (each row read once for all heads);
+    # FP8 rows need more shared memory for their conversion: 32
+    block_h = block_h or (16 if S == 1 or H < 64 else 32 if fp8 else 64)
     num_stages = num_stages or (3 if block_h <= 16 else 2)  # 64 heads x 3 stages overflow shared memory
     head_blocks = triton.cdiv(H, block_h)
     # enough programs to fill the GPU: split the rows when queries x head blocks are few
