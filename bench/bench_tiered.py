@@ -5,7 +5,9 @@ cut to two layers (one full, one IndexShare-shared; dense MLPs), every latent ro
 
     PYTHONPATH=.:bench python3 bench/bench_tiered.py [--contexts 4096,131072,1048576] [--kv-dtype fp8]
 
-Figures (after one warm-up context, so that no Triton compilation is timed): decode time per token per layer, hot-buffer hit rate, bytes fetched from the host per token, the
+First, tiered == untiered: greedy logits over a 131072-token prefill and 8 decode steps with a 16 MiB hot
+buffer, bit for bit. Then figures (after a warm-up context, so no Triton compilation is timed): decode
+time per token per layer, hot-buffer hit rate, bytes fetched from the host per token, the
 zero-copy gather's bandwidth next to the pinned host-to-GPU copy bandwidth measured in the same run (and
 next to the staged alternative: a CPU gather into pinned memory + one copy), 1M decode speed / 4K, prefill
 time per layer, peak GPU memory next to the planner's figure.
@@ -52,13 +54,13 @@ def write_checkpoint(path: Path) -> Path:
     return path
 
 
-def rules_file(path: Path, kv_dtype: str) -> Path:
+def rules_file(path: Path, kv_dtype: str, offload: bool = True, hot_budget: str = "256MiB") -> Path:
     path.write_text(f"""
 - default: {{device: cuda}}
 - match: {{class: Attention}}
   replace:
     op: attention.dsa_triton
-    kwargs: {{kv_offload: true, hot_budget: 256MiB, window: 1024, kv_dtype: {kv_dtype}}}
+    kwargs: {{kv_offload: {str(offload).lower()}, hot_budget: {hot_budget}, window: 1024, kv_dtype: {kv_dtype}}}
 - match: {{class: Indexer}}
   replace: {{op: indexer.dsa_triton}}
 """)
@@ -136,10 +138,31 @@ def run_context(model_dir: Path, rules: Path, context: int, kv_dtype: str, steps
     return out
 
 
+def equal_to_untiered(model_dir: Path, tmp: Path, kv_dtype: str, context: int = 131072, steps: int = 8) -> bool:
+    """Greedy logits of a prefill and `steps` decode steps, tiered (a 16 MiB hot buffer: 14K rows, 9x less than
+    the context) against the whole cache on the GPU: bit-identical?"""
+    prompt = torch.randint(0, 4096, (context,), generator=torch.Generator().manual_seed(7))
+    runs = []
+    for offload in (False, True):
+        rules = load_rules(rules_file(tmp / f"equal-{offload}.yaml", kv_dtype, offload, "16MiB"))
+        model = load_model(model_dir, rules=rules)
+        cache = model.new_cache(context + steps)
+        for s in range(0, context, 2048):
+            logits = model(prompt[s : s + 2048].cuda(), cache, logits_for="last")
+        out = [logits]
+        for _ in range(steps):
+            out.append(model(out[-1][-1].argmax().reshape(1), cache, logits_for="last"))
+        runs.append(torch.cat(out).cpu())
+        del model, cache
+        torch.cuda.empty_cache()
+    return torch.equal(*runs)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="4096,131072,1048000")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--equality-only", action="store_true", help="only the tiered == untiered check")
     args = parser.parse_args()
     torch.cuda.set_per_process_memory_fraction(GPU_CAP / torch.cuda.get_device_properties(0).total_memory)
     h2d = pinned_h2d_gb_s()
@@ -150,6 +173,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_checkpoint(Path(tmp) / "glm5-2layer")
         rules = rules_file(Path(tmp) / "tiered.yaml", args.kv_dtype)
+        results["equal_to_untiered_131072"] = equal_to_untiered(model_dir, Path(tmp), args.kv_dtype)
+        print(f"tiered (16 MiB hot buffer) == untiered over a 131072-token prefill and 8 decode steps: "
+              f"{results['equal_to_untiered_131072']}", flush=True)
+        if args.equality_only:
+            return results
         run_context(model_dir, rules, 4096, args.kv_dtype)  # warm-up: Triton compiles each kernel's variants once
         for context in map(int, args.contexts.split(",")):
             results["contexts"].append(run_context(model_dir, rules, context, args.kv_dtype))
