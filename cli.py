@@ -82,7 +82,9 @@ def _engine(args, tokenizer_required: bool):
                "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
     model = load_model(model_dir, device=args.device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
                        budgets=budgets, kv_dtype=args.kv_dtype)
-    engine = Engine(model, max_seq_len=max_seq_len)
+    if args.prefill_chunk < 1:
+        raise Glm5Error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=args.prefill_chunk)
     if args.ignore_eos:
         engine.stop_ids = set()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -210,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
         p.add_argument("--gpu-mem", help="memory the engine may use on each GPU, e.g. 24GiB (default: all)")
         p.add_argument("--host-mem", help="host memory the engine may use, e.g. 256GiB (default: what is available)")
+        p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per forward pass (default 2048)")
         p.add_argument("--kv-dtype", choices=["fp8"], default=None,
                        help="keep every layer's latent rows in the 656-byte FP8 form (default: the attention rules')")
         p.add_argument("--cpu-threads", type=int, default=None, help="CPU threads for torch and the numba experts")

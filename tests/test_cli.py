@@ -97,9 +97,20 @@ def test_default_model_is_created_on_first_use_and_says_it_is_random(tmp_path):
     (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "/nonexistent/model: no such model directory"),
     (["generate", "--prompt-ids", "1,x,3"], "--prompt-ids"),
     (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", 10, "--max-seq-len", 8], "exceeds max_seq_len 8"),
+    (["generate", "--prompt-ids", "1,2,3", "--prefill-chunk", 0], "--prefill-chunk must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     proc = glm5(*args, env={"XDG_CACHE_HOME": str(tmp_path)}, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_fp8_cache_and_small_prefill_chunks(tmp_path):
+    """--kv-dtype fp8 (656 B-form rows, 132 B keys) and --prefill-chunk: the same greedy start as the default."""
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    ids = ",".join(str(i) for i in range(20, 60))
+    base = json.loads(glm5("generate", "--prompt-ids", ids, "--max-new-tokens", 6, "--json", env=env).stdout)
+    fp8 = json.loads(glm5("generate", "--prompt-ids", ids, "--max-new-tokens", 6, "--json", "--kv-dtype", "fp8",
+                          "--prefill-chunk", "7", env=env).stdout)
+    assert len(fp8["output_ids"]) == 6 and fp8["output_ids"][0] == base["output_ids"][0]
