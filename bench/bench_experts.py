@@ -4,7 +4,8 @@ measured in the same run and against a torch CPU baseline on the same weights.
     PYTHONPATH=. python3 bench/bench_experts.py [--experts 256] [--threads N] [--formats bf16,int8,int4]
 
 Decode: one token, 8 of the layer's experts (random routing, random weights), weight bytes read per
-second = the 8 experts' bytes (values and scales) / time. Prefill: 512 tokens, each with its own 8
+second = the 8 experts' bytes (values and scales) / time. `+a8` formats quantise the activations to int8
+too and take integer dots (their baseline is the same fp32-activation torch code). Prefill: 512 tokens, each with its own 8
 experts, in GFLOP/s (2 x 3 x hidden x inter per token and expert). The torch baseline dequantises the
 chosen experts with torch ops and multiplies in fp32 (bf16: torch's own bf16 matmul), one expert at a
 time, as a plain torch implementation would. Weights are generated in place, never all at once in fp32.
@@ -96,9 +97,9 @@ def torch_baseline(fmt, group, layer, x, ids, weights):
     return out.numpy()
 
 
-def bench_format(fmt, experts, group, threads, read_gb_s, rng):
-    layer = random_layer(fmt, experts, group)
-    run = lambda x, ids, w: moe_cpu.moe_forward(fmt, group, *layer, x, ids, w, threads=threads)  # noqa: E731
+def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=False):
+    run = lambda x, ids, w: moe_cpu.moe_forward(fmt, group, *layer, x, ids, w, threads=threads,  # noqa: E731
+                                                act_int8=act_int8)
     x = rng.standard_normal((1, HIDDEN), np.float32)
     ids = rng.permutation(experts)[:TOP_K][None].astype(np.int64)
     w = rng.random((1, TOP_K), np.float32)
@@ -123,7 +124,7 @@ def bench_format(fmt, experts, group, threads, read_gb_s, rng):
     prefill_s = min(_timed(lambda: run(xp, idp, wp)) for _ in range(2))
     flops = tokens * TOP_K * 3 * HIDDEN * INTER * 2
     return {
-        "format": fmt, "group": group if fmt != "bf16" else None,
+        "format": fmt + ("+a8" if act_int8 else ""), "group": group if fmt != "bf16" else None,
         "decode_ms": decode_s * 1e3, "decode_gb_s": decode_bytes / decode_s / 1e9,
         "decode_frac_of_read_bw": decode_bytes / decode_s / 1e9 / read_gb_s,
         "torch_decode_ms": torch_s * 1e3, "speedup_vs_torch": torch_s / decode_s,
@@ -136,7 +137,8 @@ def main(argv=None):
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--formats", default="bf16,int8,int4")
+    parser.add_argument("--formats", default="bf16,int8,int4,int8+a8,int4+a8",
+                        help="weight formats; +a8: with int8 activations (integer dots)")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     numba.set_num_threads(args.threads)
@@ -145,8 +147,12 @@ def main(argv=None):
     results = {"cores": os.cpu_count(), "threads": args.threads, "experts": args.experts,
                "read_bw_gb_s": read, "formats": []}
     print(f"STREAM-style read bandwidth: {read:.1f} GB/s ({args.threads} threads)", flush=True)
-    for fmt in args.formats.split(","):
-        r = bench_format(fmt, args.experts, args.group, args.threads, read, rng)
+    layers = {}
+    for spec in args.formats.split(","):
+        fmt = spec.removesuffix("+a8")
+        if fmt not in layers:
+            layers[fmt] = random_layer(fmt, args.experts, args.group)
+        r = bench_format(fmt, layers[fmt], args.experts, args.group, args.threads, read, rng, spec.endswith("+a8"))
         results["formats"].append(r)
         print(json.dumps(r), flush=True)
     print("\n| format | decode ms | GB/s | of read BW | torch ms | x torch | prefill 512 GFLOP/s |")

@@ -109,19 +109,21 @@ def convert_layer(slot_name: str, n_experts: int, hidden: int, inter: int, tenso
 class NumbaExperts(nn.Module):
     """Drop-in for Experts: forward(x, ids, weights), and begin()/finish() for overlap with the GPU."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None):
+    def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
+                 act_int8: bool = False):
         super().__init__()
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
-        self.fmt, self.group, self.threads = fmt, group, threads
+        self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
         self._pinned: dict[str, torch.Tensor] = {}
         self._copied = None
 
     def extra_repr(self) -> str:
-        return f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}"
+        return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
+                f"activations={'int8' if self.act_int8 else 'fp32'}")
 
     def _compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return moe_cpu.moe_forward(self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x, ids, weights,
-                                   threads=self.threads)
+                                   threads=self.threads, act_int8=self.act_int8)
 
     def _buffer(self, name: str, shape, dtype) -> torch.Tensor:
         buf = self._pinned.get(name)
@@ -170,6 +172,11 @@ class NumbaExpertsOperator(Operator):
             return f"threads must be a positive integer, got {threads!r}"
         if not isinstance(kwargs.get("cache_dir", ""), str):
             return f"cache_dir must be a path, got {kwargs['cache_dir']!r}"
+        activations = kwargs.get("activations", "fp32")
+        if activations not in ("fp32", "int8"):
+            return f"activations must be fp32 or int8, got {activations!r}"
+        if activations == "int8" and fmt == "bf16":
+            return "activations: int8 needs format int8 or int4 (integer dots), not bf16"
         return None
 
     def format(self, kwargs: dict, dtype: torch.dtype) -> str:
@@ -194,9 +201,9 @@ class NumbaExpertsOperator(Operator):
         if arrays is None:
             arrays = cache.store(slot.name, convert_layer(
                 slot.name, config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tensors, fmt, group))
-        return NumbaExperts(arrays, fmt, group, slot.kwargs.get("threads"))
+        return NumbaExperts(arrays, fmt, group, slot.kwargs.get("threads"), slot.kwargs.get("activations") == "int8")
 
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
-    kwargs=("format", "group_size", "threads", "cache_dir"), devices=("cpu",))
+    kwargs=("format", "group_size", "threads", "cache_dir", "activations"), devices=("cpu",))

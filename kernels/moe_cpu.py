@@ -6,7 +6,10 @@ Formats (per expert, W13 = [gate; up] fused [2I, H], W2 = down [H, I]):
   int4  two values per byte, one fp32 scale per group (symmetric, q in [-8, 7] stored as q + 8); in
         each group of G inputs, byte j holds input j in its low nibble and input j + G/2 in its high one
 Activations stay fp32 and every product accumulates in fp32, so a kernel equals its reference on the
-same quantised weights up to summation order.
+same quantised weights up to summation order. Or (int8/int4 weights, `act_group` > 0) activations are
+quantised to int8 per group of inputs too, and each group's dot is exact integer arithmetic: int8 pairs
+widened to int16, multiplied and added in pairs into int32 (x86: vpmaddwd, vpdpwssd with AVX512-VNNI),
+as llama.cpp's Q8 activations do; the reference then quantises its activations the same way.
 
 The kernel is one call per layer and token batch: pairs (token, slot) are grouped by expert; phase 1
 computes gate and up for every (expert, block of rows) in parallel, reading each weight row once for
@@ -15,10 +18,16 @@ blocks, each thread summing every active expert's down rows of its block times t
 Both parallel phases have many more work items than cores, so all cores stay busy with 8 experts.
 """
 
+import os
+
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
+import llvmlite.binding as llvm_binding
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
 GROUP_SIZES = (32, 64, 128)
@@ -61,14 +70,27 @@ def dequantize(values: np.ndarray, scales: np.ndarray, fmt: str, group: int = 12
     return (q * s[..., None]).reshape(*v.shape[:-1], -1)
 
 
-def moe_reference(x, w13, w2, ids, weights):
-    """Plain torch: x [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] fp32, ids/weights [T, k] -> [T, H] fp32."""
+def quantize_activations(v: torch.Tensor, group: int) -> torch.Tensor:
+    """v [N, K] fp32 -> the values int8 activations stand for: each group of `group` inputs rounded to
+    multiples of its amax / 127 (the kernels' _quantize_rows, in torch)."""
+    grouped = v.float().reshape(v.shape[0], -1, group)
+    scale = grouped.abs().amax(-1, keepdim=True) / np.float32(127.0)
+    q = torch.where(scale > 0, torch.round(grouped / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (q * scale).reshape(v.shape)
+
+
+def moe_reference(x, w13, w2, ids, weights, act_group: int = 0):
+    """Plain torch: x [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] fp32, ids/weights [T, k] -> [T, H] fp32.
+    act_group > 0: the inputs of both projections are int8-quantised in groups of that many first."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
+    if act_group:
+        x = quantize_activations(x, act_group)
     for t in range(x.shape[0]):
         for e, w in zip(ids[t].tolist(), weights[t].tolist()):
             gu = w13[e] @ x[t]
-            out[t] += w * (w2[e] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
+            act = (torch.nn.functional.silu(gu[:inter]) * gu[inter:])[None]
+            out[t] += w * (w2[e] @ (quantize_activations(act, act_group) if act_group else act)[0])
     return out
 
 
@@ -76,6 +98,178 @@ def moe_reference(x, w13, w2, ids, weights):
 
 # Inner loops index slices from 0 (never `base + j`): numba's negative-index wrap-around on a computed
 # index turns LLVM's vector loads into gathers, which made these loops 10x slower.
+
+# ------------------------------------------- int8 activations: one row's dot product in LLVM vector IR
+#
+# Per group of inputs the int8 x int8 (or int4 x int8) products are summed exactly in int32 vector lanes:
+# pairs sign-extended to int16 and multiplied-added into int32 (the pattern LLVM lowers to vpmaddwd, or
+# vpdpwssd with AVX512-VNNI), or with VNNI, int4 nibbles (0..15, unsigned) straight into vpdpbusd quads.
+# At the end of a group the lanes turn into fp32 and take the group's scale with one vector FMA; the
+# lanes are added up once per row.
+
+
+def _load_i8(builder, ptr, i, lanes):
+    address = builder.bitcast(builder.gep(ptr, [i]), ir.VectorType(ir.IntType(8), lanes).as_pointer())
+    return builder.load(address, align=1)
+
+
+def _pairwise_products(builder, a8, b8):
+    """<n x i8> a, b -> <n/2 x i32> a[2k] b[2k] + a[2k+1] b[2k+1]."""
+    lanes = a8.type.count
+    wide = ir.VectorType(ir.IntType(32), lanes)
+    p = builder.mul(builder.sext(a8, wide), builder.sext(b8, wide))
+    half = ir.VectorType(ir.IntType(32), lanes // 2)
+    even = builder.shuffle_vector(p, p, ir.Constant(half, list(range(0, lanes, 2))))
+    odd = builder.shuffle_vector(p, p, ir.Constant(half, list(range(1, lanes, 2))))
+    return builder.add(even, odd)
+
+
+def _vnni_quads(builder, acc, u8, s8):
+    """acc (<n/4 x i32>) + sums of 4 adjacent u8 x s8 products: one vpdpbusd."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(acc.type, [acc.type, u8.type, s8.type]),
+                                        f"llvm.x86.avx512.vpdpbusd.{u8.type.count * 8}")
+    return builder.call(fn, [acc, u8, s8])
+
+
+def _has_vnni() -> bool:
+    """Whether the CPU numba compiles for has AVX512-VNNI (vpdpbusd). GLM5_NO_VNNI=1 takes the portable
+    path (a test does, with a fresh NUMBA_CACHE_DIR: numba's cache does not know this variable)."""
+    if os.environ.get("GLM5_NO_VNNI") == "1":
+        return False
+    features = llvm_binding.get_host_cpu_features()
+    return bool(features.get("avx512vnni") and features.get("avx512bw"))
+
+
+def _sum_lanes(builder, v):
+    """The sum of a float vector's lanes by halving shuffles."""
+    while v.type.count > 1:
+        n = v.type.count // 2
+        half = ir.VectorType(ir.IntType(32), n)
+        lo = builder.shuffle_vector(v, v, ir.Constant(half, list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(half, list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+def _grouped_dot(builder, n_groups, group_bytes, lanes, int_lanes, step, scale):
+    """sum over groups g of fp32(int lanes of the group) x scale(g); step(acc, byte offset) adds `lanes` bytes'
+    products into the <int_lanes x i32> accumulator; group_bytes a multiple of lanes."""
+    i32v, f32v = ir.VectorType(ir.IntType(32), int_lanes), ir.VectorType(ir.FloatType(), int_lanes)
+    total = cgutils.alloca_once_value(builder, ir.Constant(f32v, None))
+    steps = builder.udiv(group_bytes, ir.Constant(group_bytes.type, lanes))
+    with cgutils.for_range(builder, n_groups) as groups:
+        acc = cgutils.alloca_once_value(builder, ir.Constant(i32v, None))
+        builder.store(ir.Constant(i32v, None), acc)
+        base = builder.mul(groups.index, group_bytes)
+        with cgutils.for_range(builder, steps) as inner:
+            offset = builder.add(base, builder.mul(inner.index, ir.Constant(base.type, lanes)))
+            builder.store(step(builder.load(acc), offset), acc)
+        s = scale(groups.index)
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(f32v, None), s, ir.Constant(ir.IntType(32), 0)),
+                                       ir.Constant(f32v, None), ir.Constant(i32v, [0] * int_lanes))
+        builder.store(builder.fadd(builder.load(total), builder.fmul(builder.sitofp(builder.load(acc), f32v), splat)),
+                      total)
+    return _sum_lanes(builder, builder.load(total))
+
+
+def _float_at(builder, arr, i):
+    return builder.load(builder.gep(arr.data, [i]))
+
+
+@intrinsic
+def _row_dot_i8q(typingctx, row, scales, vq, vs):
+    """sum_g scales[g] vs[g] sum_j row[j] vq[j] over groups g (int8 row and vq of one length, a multiple of
+    32 per group), each group's sum exact in int32."""
+    def codegen(context, builder, signature, args):
+        row_a, sc_a, vq_a, vs_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+        group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)
+
+        def step(acc, i):
+            return builder.add(acc, _pairwise_products(builder, _load_i8(builder, row_a.data, i, 32),
+                                                       _load_i8(builder, vq_a.data, i, 32)))
+
+        def scale(g):
+            return builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs_a, g))
+        return _grouped_dot(builder, sc_a.nitems, group_bytes, 32, 16, step, scale)
+    return types.float32(row, scales, vq, vs), codegen
+
+
+@intrinsic
+def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
+    """sum_g scales[g] vs[g] (sum_j nibble_j vq[j] - 8 vsum[g]): int4 row (packed as in quantize), int8 vq
+    with group sums vsum. With AVX512-VNNI the nibbles (0..15) go straight into vpdpbusd, 64 bytes a step
+    for groups of 128 and 16 otherwise; without it, vpmaddwd pairs 16 bytes a step."""
+    vnni = _has_vnni()
+
+    def codegen(context, builder, signature, args):
+        row_a, sc_a, vq_a, vs_a, sum_a = (context.make_array(t)(context, builder, v)
+                                          for t, v in zip(signature.args, args))
+        group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)  # half a group of inputs
+
+        def halves(acc, i, lanes, combine):
+            g_start = builder.mul(builder.udiv(i, group_bytes), group_bytes)  # the group's first byte
+            lo_at = builder.add(i, g_start)  # inputs: group g starts at 2 g_start; lo half, then hi half
+            b = _load_i8(builder, row_a.data, i, lanes)
+            byte = b.type
+            low = builder.and_(b, ir.Constant(byte, [15] * lanes))
+            high = builder.lshr(b, ir.Constant(byte, [4] * lanes))
+            acc = combine(acc, low, _load_i8(builder, vq_a.data, lo_at, lanes))
+            return combine(acc, high, _load_i8(builder, vq_a.data, builder.add(lo_at, group_bytes), lanes))
+
+        def scale(g):
+            return builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs_a, g))
+
+        result = cgutils.alloca_once(builder, ir.FloatType())
+        if vnni:
+            quads = lambda acc, u8, s8: _vnni_quads(builder, acc, u8, s8)  # noqa: E731
+            wide = builder.icmp_unsigned("==", builder.urem(group_bytes, ir.Constant(group_bytes.type, 64)),
+                                         ir.Constant(group_bytes.type, 0))
+            with builder.if_else(wide) as (then, otherwise):
+                with then:
+                    builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 64, 16,
+                                               lambda acc, i: halves(acc, i, 64, quads), scale), result)
+                with otherwise:
+                    builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 4,
+                                               lambda acc, i: halves(acc, i, 16, quads), scale), result)
+        else:
+            pairs = lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8))  # noqa: E731
+            builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 8,
+                                       lambda acc, i: halves(acc, i, 16, pairs), scale), result)
+        correction = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))  # the nibbles' offset 8
+        with cgutils.for_range(builder, sc_a.nitems) as groups:
+            g = groups.index
+            s = builder.fmul(scale(g), builder.sitofp(builder.load(builder.gep(sum_a.data, [g])), ir.FloatType()))
+            builder.store(builder.fadd(builder.load(correction), s), correction)
+        return builder.fsub(builder.load(result), builder.fmul(ir.Constant(ir.FloatType(), 8.0), builder.load(correction)))
+    return types.float32(row, scales, vq, vs, vsum), codegen
+
+
+@njit(nogil=True, cache=True)
+def _quantize_rows(v, group, q, scales, sums):
+    """v [N, K] fp32 -> q [N, K] int8, scales and sums of q [N, K/group] (fp32 amax / 127, int32) per group
+    (quantize_activations)."""
+    for i in range(v.shape[0]):
+        for g in range(v.shape[1] // group):
+            x, out = v[i, g * group : (g + 1) * group], q[i, g * group : (g + 1) * group]
+            amax = np.float32(0.0)
+            for j in range(group):
+                amax = max(amax, abs(x[j]))
+            scale = amax / np.float32(127.0)
+            scales[i, g] = scale
+            total = 0
+            for j in range(group):
+                out[j] = np.int8(np.round(x[j] / scale)) if scale > 0 else np.int8(0)
+                total += out[j]
+            sums[i, g] = total
+
+
+@njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
+def _row_dot_q(fmt, row, scales, vq, vs, vsum):
+    """row . v with v int8-quantised (vq values, vs group scales, vsum their sums)."""
+    if fmt == 1:
+        return _row_dot_i8q(row, scales, vq, vs)
+    return _row_dot_u4q(row, scales, vq, vs, vsum)
+
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
 def _nibbles(byte):
@@ -144,8 +338,13 @@ def _row_dot(fmt, row, scales, group, v, v_group_sums, buf):
 
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
-def _rows_times(fmt, row, scales, group, vectors, sums, which, first, last, buf, out):
-    """out[p] = row . vectors[which[p]] for p in first..last-1: one vector fused, more: the row dequantised once."""
+def _rows_times(fmt, row, scales, group, vectors, sums, vq, vs, vsum, which, first, last, buf, out):
+    """out[p] = row . vectors[which[p]] for p in first..last-1: one vector fused, more: the row dequantised
+    once; with int8 activations (vq [N, K] int8, vs scales, vsum sums, non-empty) integer dots per vector."""
+    if vq.shape[0]:
+        for p in range(first, last):
+            out[p] = _row_dot_q(fmt, row, scales, vq[which[p]], vs[which[p]], vsum[which[p]])
+        return
     if last - first == 1:
         out[first] = _row_dot(fmt, row, scales, group, vectors[which[first]], sums[which[first]], buf)
         return
@@ -164,17 +363,22 @@ def _group_sums(v, group):
 
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
-def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_ids, expert_start, gu, act, out):
+def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_ids, expert_start, gu, act, out,
+              act_int8=False):
     """One MoE layer's routed experts for T tokens, summed into out [T, H] (fp32, zeroed by the caller).
 
     x [T, H] fp32; pairs (token, slot) sorted by expert: pair_token [P] int32, pair_weight [P] fp32;
     expert_ids [A] int32 the active experts, expert_start [A+1] int32 their pair ranges;
-    scratch gu [P, 2I], act [P, I] fp32.
+    scratch gu [P, 2I], act [P, I] fp32. act_int8 (int8/int4 weights): x and act int8-quantised per group.
     """
     hidden, rows13 = x.shape[1], w13.shape[1]
     inter = rows13 // 2
     n_active, n_pairs = expert_ids.shape[0], gu.shape[0]
     x_sums = _group_sums(x, group) if fmt == 2 else np.zeros((x.shape[0], 1), np.float32)
+    xq = np.empty((x.shape[0] if act_int8 else 0, hidden), np.int8)
+    xs = np.empty((xq.shape[0], hidden // group), np.float32)
+    x_qsums = np.empty((xq.shape[0], hidden // group), np.int32)
+    _quantize_rows(x[: xq.shape[0]], group, xq, xs, x_qsums)
     blocks13 = (rows13 + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(n_active * blocks13):  # gate and up: (expert, block of rows)
         a, block = item // blocks13, item % blocks13
@@ -182,8 +386,8 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
         buf = np.empty(hidden, np.float32)
         dots = np.empty(n_pairs, np.float32)
         for r in range(block * ROW_BLOCK, min(rows13, (block + 1) * ROW_BLOCK)):
-            _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, pair_token,
-                        expert_start[a], expert_start[a + 1], buf, dots)
+            _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs, x_qsums,
+                        pair_token, expert_start[a], expert_start[a + 1], buf, dots)
             for p in range(expert_start[a], expert_start[a + 1]):
                 gu[p, r] = dots[p]
     for p in prange(n_pairs):  # SiLU(gate) * up
@@ -191,6 +395,10 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
             g = gu[p, i]
             act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[p, inter + i]
     act_sums = _group_sums(act, group) if fmt == 2 else np.zeros((n_pairs, 1), np.float32)
+    aq = np.empty((n_pairs if act_int8 else 0, inter), np.int8)
+    a_scales = np.empty((aq.shape[0], inter // group), np.float32)
+    a_qsums = np.empty((aq.shape[0], inter // group), np.int32)
+    _quantize_rows(act[: aq.shape[0]], group, aq, a_scales, a_qsums)
     pairs = np.arange(n_pairs).astype(np.int32)
     blocks2 = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for block in prange(blocks2):  # down: each thread owns a block of output rows
@@ -199,8 +407,8 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
         for a in range(n_active):
             e = expert_ids[a]
             for r in range(block * ROW_BLOCK, min(hidden, (block + 1) * ROW_BLOCK)):
-                _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, pairs,
-                            expert_start[a], expert_start[a + 1], buf, dots)
+                _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
+                            a_qsums, pairs, expert_start[a], expert_start[a + 1], buf, dots)
                 for p in range(expert_start[a], expert_start[a + 1]):
                     out[pair_token[p], r] += pair_weight[p] * dots[p]
 
@@ -218,8 +426,11 @@ def group_by_expert(ids: np.ndarray, weights: np.ndarray):
 
 
 def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                threads: int | None = None) -> np.ndarray:
-    """x [T, H] fp32, ids/weights [T, k] -> routed-expert output [T, H] fp32 (numba, all cores, no GIL)."""
+                threads: int | None = None, act_int8: bool = False, scratch: dict | None = None) -> np.ndarray:
+    """x [T, H] fp32, ids/weights [T, k] -> routed-expert output [T, H] fp32 (numba, all cores, no GIL).
+    act_int8: int8 activations (int8/int4 weights). scratch, a dict, receives the pairs' gu and act."""
+    if act_int8 and fmt == "bf16":
+        raise ValueError("int8 activations need int8 or int4 weights")
     if threads:
         numba.set_num_threads(threads)
     pair_token, pair_weight, experts, start = group_by_expert(ids, weights)
@@ -230,5 +441,8 @@ def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.n
     # empty scales cannot be indexed; give the bf16 kernel a dummy of the right rank
     s13 = s13 if s13.ndim == 3 else np.zeros((1, 1, 1), np.float32)
     s2 = s2 if s2.ndim == 3 else np.zeros((1, 1, 1), np.float32)
-    moe_layer(FORMATS[fmt], group, w13, s13, w2, s2, x, pair_token, pair_weight, experts, start, gu, act, out)
+    moe_layer(FORMATS[fmt], group, w13, s13, w2, s2, x, pair_token, pair_weight, experts, start, gu, act, out,
+              act_int8)
+    if scratch is not None:
+        scratch.update(gu=gu, act=act, pair_token=pair_token, pair_weight=pair_weight, experts=experts, start=start)
     return out

@@ -18,7 +18,7 @@ from conftest import build_hf_model, rel_err
 PROMPT = torch.randint(12, 1000, (40,), generator=torch.Generator().manual_seed(3))
 
 
-def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml"):
+def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml", activations="fp32"):
     path = tmp_path / name
     path.write_text(f"""
 - default: {{device: cpu}}
@@ -26,7 +26,8 @@ def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml"):
   replace:
     op: experts.numba
     device: cpu
-    kwargs: {{format: {fmt}, group_size: {group}, threads: 2, cache_dir: '{cache or tmp_path / "cache"}'}}
+    kwargs: {{format: {fmt}, group_size: {group}, threads: 2, cache_dir: '{cache or tmp_path / "cache"}',
+              activations: {activations}}}
   recursive: false
 """)
     return load_rules(path)
@@ -36,13 +37,14 @@ def logits(model, ids=PROMPT):
     return model(ids, model.new_cache(128))
 
 
-@pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 32), ("int4", 32)])
-def test_tiny_model_runs_in_each_format(tiny_dir, tmp_path, fmt, group):
+@pytest.mark.parametrize("fmt, group, activations", [("bf16", 128, "fp32"), ("int8", 32, "fp32"), ("int4", 32, "fp32"),
+                                                     ("int8", 32, "int8"), ("int4", 64, "int8")])
+def test_tiny_model_runs_in_each_format(tiny_dir, tmp_path, fmt, group, activations):
     path = tiny_dir()
     reference = load_model(path, dtype=torch.float32)
-    model = load_model(path, dtype=torch.float32, rules=numba_rules(tmp_path, fmt, group))
+    model = load_model(path, dtype=torch.float32, rules=numba_rules(tmp_path, fmt, group, activations=activations))
     experts = model.model.layers[1].mlp.experts
-    assert isinstance(experts, NumbaExperts) and experts.fmt == fmt
+    assert isinstance(experts, NumbaExperts) and experts.fmt == fmt and experts.act_int8 == (activations == "int8")
     assert model.placement.slots["model.layers.1.mlp.experts"].op.name == "experts.numba"
     ours, ref = logits(model), logits(reference)
     # bf16 experts hold the checkpoint's own weights; int8 and int4 add their rounding, compounded over 5 layers
@@ -64,13 +66,16 @@ def test_parity_with_transformers_in_bf16(tmp_path):
     assert (ours.argmax(-1) == truth.argmax(-1)).float().mean() >= 0.9
 
 
-def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path):
-    """Teacher-forced over 64 greedy bf16 tokens: int8 experts pick the same next token >= 90% of the time."""
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path, activations):
+    """Teacher-forced over 64 greedy bf16 tokens: int8 experts pick the same next token >= 90% of the time; with
+    int8 activations too (a speed mode that costs accuracy) >= 80% (measured 83% on this random tiny model,
+    whose top logits are nearly tied)."""
     from glm5_offload.engine import Engine
 
     path = tiny_dir()
     bf16 = load_model(path, rules=numba_rules(tmp_path, "bf16", 128, name="bf16.yaml"))
-    int8 = load_model(path, rules=numba_rules(tmp_path, "int8", 32, name="int8.yaml"))
+    int8 = load_model(path, rules=numba_rules(tmp_path, "int8", 32, name="int8.yaml", activations=activations))
     engine = Engine(bf16)
     engine.stop_ids = set()
     prompt = PROMPT[:16].tolist()
@@ -79,7 +84,7 @@ def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path):
     a = logits(bf16, sequence)[len(prompt) - 1 : -1].argmax(-1)
     b = logits(int8, sequence)[len(prompt) - 1 : -1].argmax(-1)
     assert a.tolist() == tokens
-    assert (a == b).float().mean() >= 0.9
+    assert (a == b).float().mean() >= (0.9 if activations == "fp32" else 0.8)
 
 
 def test_cache_is_written_once_then_memory_mapped(tiny_dir, tmp_path, monkeypatch):
@@ -141,6 +146,8 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{group_size: 48}", "group_size must be one of 32, 64, 128"),
     ("{threads: 0}", "threads must be a positive integer"),
     ("{speed: 11}", "takes no kwarg 'speed'"),
+    ("{activations: int3}", "activations must be fp32 or int8"),
+    ("{format: bf16, activations: int8}", "activations: int8 needs format int8 or int4"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     path = tmp_path / "bad.yaml"

@@ -1,6 +1,10 @@
 """The numba MoE kernels against their torch reference on the same quantised weights."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -37,6 +41,46 @@ def test_kernel_equals_dequantised_reference(fmt, group, tokens):
     out = moe_cpu.moe_forward(fmt, group, v13, s13, v2, s2, x.numpy(), ids.numpy(), weights.numpy(), threads=2)
     assert np.isfinite(out).all()
     assert (torch.from_numpy(out) - ref).norm() / ref.norm() <= 1e-5
+
+
+@pytest.mark.parametrize("fmt, group", CASES[1:])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_int8_activations_equal_their_reference(fmt, group, tokens):
+    """Each projection against torch on the same int8-quantised inputs: gate/up from the quantised x, down
+    from the kernel's own SiLU(gate) x up quantised the same way (so that a SiLU rounding one ulp apart
+    cannot move an int8 code), <= 1e-5; and the whole layer against the reference."""
+    (v13, s13, v2, s2), _ = layer(fmt, group)
+    w13, w2 = moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(tokens)])
+    weights = torch.rand(tokens, 4, generator=g)
+    scratch = {}
+    out = moe_cpu.moe_forward(fmt, group, v13, s13, v2, s2, x.numpy(), ids.numpy(), weights.numpy(), threads=2,
+                              act_int8=True, scratch=scratch)
+    token = torch.from_numpy(scratch["pair_token"]).long()
+    expert = torch.repeat_interleave(torch.from_numpy(scratch["experts"]).long(),
+                                     torch.from_numpy(np.diff(scratch["start"])).long())
+    xq = moe_cpu.quantize_activations(x, group)
+    want_gu = torch.einsum("prh,ph->pr", w13[expert], xq[token])
+    assert (torch.from_numpy(scratch["gu"]) - want_gu).norm() / want_gu.norm() <= 1e-5
+    act = moe_cpu.quantize_activations(torch.from_numpy(scratch["act"]), group)
+    want = torch.zeros(tokens, H).index_add_(
+        0, token, torch.einsum("phi,pi->ph", w2[expert], act) * torch.from_numpy(scratch["pair_weight"])[:, None])
+    assert (torch.from_numpy(out) - want).norm() / want.norm() <= 1e-5
+    ref = moe_cpu.moe_reference(x, w13, w2, ids, weights, act_group=group)
+    assert (torch.from_numpy(out) - ref).norm() / ref.norm() <= 1e-3  # a SiLU ulp may move a code
+
+
+def test_int8_activations_stay_close_to_fp32_ones():
+    (v13, s13, v2, s2), _ = layer("int8", 128)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1)).numpy()
+    ids, weights = np.array([[0, 1, 2, 3]] * 5), np.full((5, 4), 0.25, np.float32)
+    exact = moe_cpu.moe_forward("int8", 128, v13, s13, v2, s2, x, ids, weights)
+    quant = moe_cpu.moe_forward("int8", 128, v13, s13, v2, s2, x, ids, weights, act_int8=True)
+    assert np.linalg.norm(quant - exact) / np.linalg.norm(exact) < 0.02
+    with pytest.raises(ValueError, match="int8 activations need int8 or int4 weights"):
+        moe_cpu.moe_forward("bf16", 128, *layer("bf16", 128)[0], x, ids, weights, act_int8=True)
 
 
 @pytest.mark.parametrize("fmt, group, bound", [("bf16", 128, 0.005), ("int8", 32, 0.01), ("int8", 128, 0.01),
@@ -78,9 +122,38 @@ def test_generated_code_is_vectorised():
         (v13, s13, v2, s2), _ = layer(fmt, group)
         x = np.random.default_rng(0).standard_normal((1, H), np.float32)
         token, weight, experts, start = moe_cpu.group_by_expert(np.array([[0, 1]]), np.ones((1, 2), np.float32))
-        kernel(moe_cpu.FORMATS[fmt], group, v13, s13, v2, s2, x, token, weight, experts, start,
-               np.empty((2, 2 * I), np.float32), np.empty((2, I), np.float32), np.zeros((1, H), np.float32))
+        for act_int8 in (False, True):
+            kernel(moe_cpu.FORMATS[fmt], group, v13, s13, v2, s2, x, token, weight, experts, start,
+                   np.empty((2, 2 * I), np.float32), np.empty((2, I), np.float32), np.zeros((1, H), np.float32),
+                   act_int8)
     asm = "\n".join(kernel.inspect_asm().values())
     assert re.search(r"vfmadd\w*ps\s+[^\n]*%[yz]mm", asm)  # packed fp32 FMAs on 256/512-bit registers
     assert "vpmovsxbd" in asm or "vpmovsxbw" in asm  # int8 sign-extended a vector at a time
     assert "vgather" not in asm  # contiguous loads, not gathers
+    # int8 activations: widening multiply-adds, int16 pairs into int32 (vpdpwssd where AVX512-VNNI is there)
+    assert re.search(r"(vpmaddwd|vpdpwssd)\s+[^\n]*%[yz]mm", asm)
+    if moe_cpu._has_vnni():  # int4 nibbles straight into u8 x s8 quads
+        assert re.search(r"vpdpbusd\s+[^\n]*%zmm", asm)
+
+
+def test_int8_activations_without_vnni(tmp_path):
+    """The portable path (vpmaddwd pairs, no vpdpbusd), compiled fresh in a process that may not use VNNI."""
+    code = """
+import numpy as np, torch
+from glm5_offload.kernels import moe_cpu
+import test_moe_cpu as t
+assert not moe_cpu._has_vnni()
+for fmt, group in (("int4", 32), ("int4", 128), ("int8", 64)):
+    (v13, s13, v2, s2), _ = t.layer(fmt, group)
+    x = torch.randn(3, t.H, generator=torch.Generator().manual_seed(0))
+    ids, w = np.array([[0, 1], [2, 3], [1, 5]]), np.full((3, 2), 0.5, np.float32)
+    out = moe_cpu.moe_forward(fmt, group, v13, s13, v2, s2, x.numpy(), ids, w, act_int8=True)
+    ref = moe_cpu.moe_reference(x, moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group),
+                                torch.from_numpy(ids), torch.from_numpy(w), act_group=group)
+    assert (torch.from_numpy(out) - ref).norm() / ref.norm() <= 1e-3, fmt
+print("ok")
+"""
+    env = {**os.environ, "GLM5_NO_VNNI": "1", "NUMBA_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
