@@ -20,10 +20,10 @@ Both parallel phases have many more work items than cores, so all cores stay bus
 
 import os
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
 import torch
-import llvmlite.binding as llvm_binding
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
