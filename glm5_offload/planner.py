@@ -145,8 +145,9 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
               prefill_chunk: int = 2048) -> Plan:
     """budgets: 'cpu' -> host bytes, 'cuda' -> bytes of each GPU (None: no limit known).
 
-    kv_dtype (fp8, bf16, fp32) overrides each attention rule's latent form (kv_cache.latent_layout); the
-    indexer keys follow it (FP8: 132 B), else they are in the compute dtype. Offloaded latent rows count on
+    kv_dtype fp8 puts every layer's latent rows and indexer keys in the FP8 forms (656 B, 132 B); bf16 or
+    fp32 count the layers whose attention rule does not ask for FP8 (kv_cache.latent_layout) in that dtype,
+    instead of the compute dtype. Offloaded latent rows count on
     the host; their device holds the hot buffer and one prefill staging buffer of every row."""
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise Glm5Error(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
