@@ -125,6 +125,20 @@ def cmd_generate(args):
           file=sys.stderr)
 
 
+def cmd_bench(args):
+    from glm5_offload.benchmark import format_table, run_benchmark
+
+    if args.context < 1 or args.new_tokens < 1:
+        raise Glm5Error(f"--context and --new-tokens must be >= 1, got {args.context} and {args.new_tokens}")
+    if args.max_seq_len is None:
+        args.max_seq_len = args.context + 2 * args.new_tokens  # the split's run extends the first one
+    engine, _, _, _, _ = _engine(args, tokenizer_required=False)
+    result = run_benchmark(engine, args.context, args.new_tokens, seed=args.seed or 0)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps(result))
+
+
 def cmd_chat(args):
     from glm5_offload.chat import Conversation, run_chat
 
@@ -230,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="prefill and decode speed, a decode step's time split, peak memory")
+    engine_args(p, temperature=0.0, top_p=1.0, max_new_tokens=32)
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens (random ids) before decoding")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens decoded for the speed, and again for the split")
+    p.add_argument("--json", action="store_true", help="also print the figures as one JSON object")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("chat", help="chat in the terminal, the model's own chat template, streamed replies")
     engine_args(p, temperature=1.0, top_p=0.95, max_new_tokens=2048)

@@ -22,6 +22,7 @@ from torch import nn
 from . import cache_dir
 from .errors import Glm5Error
 from .kernels import moe_cpu
+from .timeline import span
 from .model import Experts
 from .operators import Operator
 
@@ -135,7 +136,9 @@ class NumbaExperts(nn.Module):
     def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """Queue the hidden state's copy to the host (CUDA), or compute at once (CPU)."""
         if not x.is_cuda:
-            return torch.from_numpy(self._compute(x.float().numpy(), ids.numpy(), weights.float().numpy())).to(x.dtype)
+            with span("experts"):
+                out = self._compute(x.float().numpy(), ids.numpy(), weights.float().numpy())
+            return torch.from_numpy(out).to(x.dtype)
         host = [self._buffer(n, t.shape, dt) for n, t, dt in
                 (("x", x, torch.float32), ("ids", ids, torch.int64), ("w", weights, torch.float32))]
         for buf, t in zip(host, (x, ids, weights)):
@@ -149,11 +152,14 @@ class NumbaExperts(nn.Module):
         if isinstance(pending, torch.Tensor):
             return pending
         (x_host, ids_host, w_host), copied, x = pending
-        copied.synchronize()  # the copy only: the GPU goes on with whatever was queued after it
-        out = self._compute(x_host.numpy(), ids_host.numpy(), w_host.numpy())
+        with span("transfers"):
+            copied.synchronize()  # the copy only: the GPU goes on with whatever was queued after it
+        with span("experts"):
+            out = self._compute(x_host.numpy(), ids_host.numpy(), w_host.numpy())
         out_host = self._buffer("out", out.shape, torch.float32)
         out_host.copy_(torch.from_numpy(out))
-        return out_host.to(x.device, non_blocking=True).to(x.dtype)
+        with span("transfers", x.device):
+            return out_host.to(x.device, non_blocking=True).to(x.dtype)
 
     def forward(self, x, ids, weights):
         return self.finish(self.begin(x, ids, weights))

@@ -14,6 +14,7 @@ from .config import ModelConfig
 from .kernels.dsa_triton import quantize_keys_reference
 from .kv_cache import FP8Keys, KVCache, LatentLayout, dequantize_latent
 from .rope import apply_rope, cos_sin, inv_freq_and_scaling
+from .timeline import span
 
 # Queries per attention chunk are bounded so that heads x queries x keys scores stay near this many.
 _SCORE_BUDGET = 1 << 26
@@ -91,7 +92,8 @@ class Experts(nn.ModuleList):
 
     def begin(self, x, ids, weights):
         """Start the experts (MoE calls begin, then the shared expert, then finish); here: compute now."""
-        return self(x, ids, weights)
+        with span("experts", x.device):
+            return self(x, ids, weights)
 
     def finish(self, pending):
         return pending
@@ -252,6 +254,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, start: int, shared_indices):
         """x [S, hidden] -> (out [S, hidden], the selected indices [S, K] for the shared layers above)."""
+        with span("attention", x.device):
+            return self._forward(x, cos, sin, cache, start, shared_indices)
+
+    def _forward(self, x, cos, sin, cache, start, shared_indices):
         S = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)

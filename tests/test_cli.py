@@ -114,3 +114,16 @@ def test_fp8_cache_and_small_prefill_chunks(tmp_path):
     fp8 = json.loads(glm5("generate", "--prompt-ids", ids, "--max-new-tokens", 6, "--json", "--kv-dtype", "fp8",
                           "--prefill-chunk", "7", env=env).stdout)
     assert len(fp8["output_ids"]) == 6 and fp8["output_ids"][0] == base["output_ids"][0]
+
+
+def test_bench_reports_speed_split_and_memory(tmp_path):
+    """`glm5 bench` on the tiny model (figures are not asserted, only their shape and consistency)."""
+    proc = glm5("bench", "--context", "40", "--new-tokens", "4", "--json", env={"XDG_CACHE_HOME": str(tmp_path)})
+    table, last = proc.stdout.rsplit("\n", 2)[0], proc.stdout.strip().splitlines()[-1]
+    r = json.loads(last)
+    assert r["context"] == 40 and r["new_tokens"] == 4
+    assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["peak_host_bytes"] > 0
+    split = r["split_ms_per_token"]
+    assert set(split) == {"attention", "experts", "transfers", "other"} and split["attention"] > 0
+    assert split["experts"] > 0 and split["transfers"] == 0  # all on the CPU: nothing crosses to a GPU
+    assert "decode step, per token" in table and "peak memory" in table
