@@ -52,8 +52,11 @@ def _prompt_ids(text: str) -> list[int]:
 def cmd_make_tiny(args):
     from glm5_offload.tiny import make_tiny
 
-    path = make_tiny(args.dir, arch=args.arch, fp8=args.fp8, seed=args.seed)
-    print(f"wrote a tiny {args.arch}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
+    if args.layers < 1:
+        raise Glm5Error(f"--layers must be >= 1, got {args.layers}")
+    path = make_tiny(args.dir, arch=args.arch, fp8=args.fp8, seed=args.seed, preset=args.preset, layers=args.layers)
+    what = f"{args.preset}-shaped, {args.layers} layers" if args.preset else f"tiny {args.arch}"
+    print(f"wrote a {what}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
 
 
 def _engine(args, tokenizer_required: bool):
@@ -214,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["glm_moe_dsa", "deepseek_v32"], default="glm_moe_dsa")
     p.add_argument("--fp8", action="store_true", help="store projections as FP8 e4m3 with 128x128 block scales")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", help="real dims of this config (glm-5, glm-5.2, deepseek-v3.2, or a config.json), "
+                                    "cut to --layers layers, with the tiny vocabulary")
+    p.add_argument("--layers", type=int, default=4, help="with --preset: decoder layers (the first dense)")
     p.set_defaults(func=cmd_make_tiny)
 
     def engine_args(p, temperature: float, top_p: float, max_new_tokens: int):

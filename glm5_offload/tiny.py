@@ -1,4 +1,5 @@
-"""`glm5 make-tiny`: a small checkpoint of the real architecture, as a release lays it out.
+"""`glm5 make-tiny`: a small checkpoint of the real architecture, as a release lays it out; with a preset,
+a checkpoint of the real model's dims cut to a few layers (GLM-5-shaped, for benchmarks).
 
 Seeded random weights in sharded safetensors with an index, a config.json with an IndexShare pattern
 and an index_topk below typical prompt lengths (so sparsity matters), a byte-level BPE tokenizer.json
@@ -141,23 +142,58 @@ def is_fp8_projection(name: str) -> bool:
     return name.endswith(("_proj.weight", "_proj_with_mqa.weight", ".wq_b.weight", ".wk.weight"))
 
 
-def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights for every tensor of the module tree, fp32: norms near 1, projections ~ 1/sqrt(fan_in)."""
-    model = build_model(parse_config(config, "tiny config"))
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, meta in model.state_dict().items():
-        shape = tuple(meta.shape)
-        noise = torch.randn(shape, generator=gen)
-        if name.endswith("norm.weight"):
-            weights[name] = 1 + 0.1 * noise
-        elif name.endswith(("k_norm.bias", "e_score_correction_bias")):
-            weights[name] = 0.1 * noise
-        elif name.endswith("embed_tokens.weight"):
-            weights[name] = noise
-        else:
-            weights[name] = noise * shape[-1] ** -0.5
-    return weights
+def random_tensor(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
+    """A seeded fp32 weight: norms near 1, projections ~ 1/sqrt(fan_in)."""
+    noise = torch.randn(shape, generator=gen)
+    if name.endswith("norm.weight"):
+        return 1 + 0.1 * noise
+    if name.endswith(("k_norm.bias", "e_score_correction_bias")):
+        return 0.1 * noise
+    if name.endswith("embed_tokens.weight"):
+        return noise
+    return noise * shape[-1] ** -0.5
+
+
+def stored(name: str, w: torch.Tensor, fp8: bool) -> dict[str, torch.Tensor]:
+    """A weight as a release stores it: FP8 blocks + scale_inv for projections (fp8), fp32 router bias and
+    indexer head weights, bf16 for the rest."""
+    if fp8 and is_fp8_projection(name):
+        w8, scale = quantize_fp8(w)
+        return {name: w8, name + "_scale_inv": scale}
+    if name.endswith(("e_score_correction_bias", "weights_proj.weight")):
+        return {name: w}
+    return {name: w.to(torch.bfloat16)}
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Names in order, one group per decoder layer (what precedes layer 1 joins layer 0, what follows the last
+    layer joins it): one shard per layer, so a checkpoint of real dims is written a layer at a time."""
+    groups, current = [], None
+    for name in names:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is not None and layer != current and current is not None:
+            groups.append([])
+        if layer is not None:
+            current = layer
+        if not groups:
+            groups.append([])
+        groups[-1].append(name)
+    return groups
+
+
+def shaped_config(preset: str, layers: int) -> dict:
+    """A published config (a preset name or config.json path) with its real dims, cut to `layers` layers (the
+    first dense, the rest MoE) and the tiny tokenizer's vocabulary."""
+    from .config import load_config
+
+    path = Path(load_config(preset).path)
+    config = json.loads(path.read_text())
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    config.update(num_hidden_layers=layers, first_k_dense_replace=1, vocab_size=VOCAB_SIZE, eos_token_id=[SPECIAL_TOKENS.index(t) for t in EOS_TOKENS], pad_token_id=0)
+    for key in ("quantization_config", "mlp_layer_types", "indexer_types", "index_topk_pattern"):
+        config.pop(key, None)  # per-layer lists no longer fit; FP8 is the fp8 flag's to say
+    return config
 
 
 def train_tokenizer():
@@ -181,42 +217,36 @@ def save_tokenizer(out_dir: Path):
     fast.save_pretrained(str(out_dir))
 
 
-def write_shards(out_dir: Path, tensors: dict[str, torch.Tensor], n_shards: int):
-    """Sharded safetensors plus model.safetensors.index.json, shards split along the tensor order."""
-    names = list(tensors)
-    per = -(-len(names) // n_shards)
-    weight_map, total = {}, 0
-    for i in range(n_shards):
-        part = names[i * per : (i + 1) * per]
-        file = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in part}, str(out_dir / file), metadata={"format": "pt"})
-        for n in part:
-            weight_map[n] = file
-            total += tensors[n].numel() * tensors[n].element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False, seed: int = 0,
+              preset: str | None = None, layers: int = 4) -> Path:
+    """Write a random checkpoint into out_dir (built in a temporary folder, then moved): the tiny config of
+    `arch`, or with `preset` a published config's real dims cut to `layers` layers. One shard per layer,
+    generated and written a layer at a time (a GLM-5 MoE layer is 19 GB in bf16, 9.7 GB in FP8)."""
+    from tqdm import tqdm
 
-
-def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False, seed: int = 0) -> Path:
-    """Write the tiny checkpoint into out_dir (created; written to a temporary folder, then moved)."""
     out_dir = Path(out_dir)
-    config = tiny_config(arch)
+    config = tiny_config(arch) if preset is None else shaped_config(preset, layers)
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
-    tensors = {}
-    for name, w in random_weights(config, seed).items():
-        if fp8 and is_fp8_projection(name):
-            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(w)
-        elif name.endswith(("e_score_correction_bias", "weights_proj.weight")):
-            tensors[name] = w  # fp32 in releases
-        else:
-            tensors[name] = w.to(torch.bfloat16)
+    shapes = {n: tuple(t.shape) for n, t in build_model(parse_config(config, "tiny config")).state_dict().items()}
+    groups = layer_groups(list(shapes))
+    gen = torch.Generator().manual_seed(seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_shards(tmp, tensors, n_shards=4)
+        weight_map, total = {}, 0
+        for i, names in enumerate(tqdm(groups, desc="writing layers", unit="layer", disable=None if preset else True)):
+            file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {}
+            for name in names:
+                tensors.update(stored(name, random_tensor(name, shapes[name], gen), fp8))
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         save_tokenizer(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -31,7 +31,7 @@ def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
     assert config.index_topk < 20  # below typical prompts: the indexer really selects
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
-    assert len(shards) == 4 and all((out / s).is_file() for s in shards)
+    assert len(shards) == 5 and all((out / s).is_file() for s in shards)  # one shard per layer
     assert "model.layers.1.mlp.experts.15.down_proj.weight" in index["weight_map"]
     assert "model.layers.2.self_attn.indexer.wk.weight" not in index["weight_map"]  # shared layer
     again = tmp_path / "again"
@@ -127,3 +127,29 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     assert set(split) == {"attention", "experts", "transfers", "other"} and split["attention"] > 0
     assert split["experts"] > 0 and split["transfers"] == 0  # all on the CPU: nothing crosses to a GPU
     assert "decode step, per token" in table and "peak memory" in table
+
+
+def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
+    """--preset: the published config's dims cut to a few layers (a small config.json stands in for GLM-5's
+    here; its real dims are checked on the config alone), written a layer a shard, loadable and runnable."""
+    from glm5_offload.loader import load_model
+    from glm5_offload.tiny import shaped_config, tiny_config
+
+    real = shaped_config("glm-5", 4)
+    assert (real["hidden_size"], real["n_routed_experts"], real["moe_intermediate_size"], real["index_head_dim"],
+            real["num_hidden_layers"], real["first_k_dense_replace"], real["vocab_size"]) == (
+               6144, 256, 2048, 128, 4, 1, 1024)
+    small = {**tiny_config(), "hidden_size": 192, "n_routed_experts": 12}
+    (tmp_path / "preset").mkdir()
+    (tmp_path / "preset" / "config.json").write_text(json.dumps(small))
+    out = tmp_path / "shaped"
+    proc = glm5("make-tiny", out, "--preset", tmp_path / "preset" / "config.json", "--layers", "3", "--fp8")
+    assert "-shaped, 3 layers FP8 checkpoint" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["n_routed_experts"], config["num_hidden_layers"]) == (192, 12, 3)
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    model = load_model(out, dtype=torch.float32)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP", "MoE", "MoE"]
+    logits = model(torch.arange(5, 25), model.new_cache(32))
+    assert logits.shape == (20, 1024) and torch.isfinite(logits).all()

@@ -12,7 +12,7 @@ from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import dequantize_fp8, load_model
 from glm5_offload.tiny import is_fp8_projection, quantize_fp8
 
-FIRST_SHARD = "model-00001-of-00004.safetensors"
+FIRST_SHARD = "model-00001-of-00005.safetensors"
 
 
 @pytest.fixture
