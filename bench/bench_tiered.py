@@ -158,12 +158,12 @@ def equal_to_untiered(model_dir: Path, tmp: Path, kv_dtype: str, context: int = 
     return torch.equal(*runs)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="4096,131072,1048000")
     parser.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--equality-only", action="store_true", help="only the tiered == untiered check")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.cuda.set_per_process_memory_fraction(GPU_CAP / torch.cuda.get_device_properties(0).total_memory)
     h2d = pinned_h2d_gb_s()
     row_bytes = 656 if args.kv_dtype == "fp8" else 1152
