@@ -185,6 +185,23 @@ class Placement:
     unmatched: list[str]  # slots placed by the default (no rule matched them or an ancestor)
     unused_rules: list[Rule]  # rules that matched no module
 
+    def _latent_lines(self, dtype: torch.dtype) -> list[str]:
+        """Where each layer keeps its latent KV rows, from the attention rules' kwargs, grouped by layers."""
+        from .kv_cache import latent_layout
+        from .operators import DTYPE_FORMATS
+        from .planner import human_bytes
+
+        kinds: dict[str, list[int]] = {}
+        for slot in self.slots.values():
+            if not slot.name.endswith(".self_attn"):
+                continue
+            layout = latent_layout(slot.kwargs)
+            rows = "FP8 rows (656 B for GLM-5)" if layout.fp8 else f"{DTYPE_FORMATS[dtype]} rows"
+            where = (f"in pinned host memory, a {human_bytes(layout.hot_bytes)} hot buffer on {slot.device} "
+                     f"(the last {layout.window} tokens + recently selected rows)") if layout.offload else f"on {slot.device}"
+            kinds.setdefault(f"{rows} {where}", []).append(int(re.search(r"\.layers\.(\d+)\.", slot.name).group(1)))
+        return [f"latent KV of layers {{{_ranges(layers)}}}: {kind}" for kind, layers in kinds.items()]
+
     def devices(self) -> list[str]:
         return sorted({s.device for s in self.slots.values()})
 
@@ -213,6 +230,7 @@ class Placement:
         lines = [fmt_row(header), fmt_row(tuple("-" * w for w in widths))] + [fmt_row(r) for r in rows]
         lines.append("")
         lines += [f"total on {d}: {human_bytes(n)} ({n} bytes)" for d, n in sorted(totals.items())]
+        lines += self._latent_lines(dtype)
         unmatched: dict[tuple, list[int]] = {}
         for name in self.unmatched:
             layer = re.search(r"\.layers\.(\d+)\.", name)
