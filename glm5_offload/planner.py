@@ -19,6 +19,7 @@ from .operators import DTYPE_FORMATS
 from .rules import Placement
 
 KV_DTYPES = ("fp8", "bf16", "fp32")
+SLOT_BYTES = 8  # a tiered layer's hot-slot table entry per token, on the device
 EXPERT_FORMATS = {"bf16": 16, "int8": 8, "int4": 4}  # bits per weight
 EXPERT_GROUP = 128  # weights per fp32 scale in the int formats
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -180,8 +181,9 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             home = on("cpu") if layout.offload else d
             home.per_token += row
             home.latent_kv += row * max_seq_len
-            if layout.offload:
-                d.latent_kv += layout.hot_bytes
+            if layout.offload:  # the hot buffer, and its slot table: one int64 per token (tiered_kv.slot_of)
+                d.latent_kv += layout.hot_bytes + SLOT_BYTES * max_seq_len
+                d.per_token += SLOT_BYTES
                 staging[slot.device] = max(staging.get(slot.device, 0), row)
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
         elif isinstance(slot.module, Indexer):

@@ -55,6 +55,19 @@ def test_glm52_at_1m_tokens_equals_the_glm5_md_formulas():
     assert device(p, "cpu").latent_kv == 0  # the glm5.yaml placement keeps attention and its cache on the GPU
 
 
+def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
+    """glm5-1m.yaml: FP8 rows of every layer in host memory; per layer a 64 MiB hot buffer and an 8-byte slot
+    per token on the GPU, plus one staging buffer of every row for prefill; 132-byte indexer keys."""
+    config, placement = placed("glm-5.2", "glm5-1m")
+    p = make_plan(config, placement, 1_000_000, {"cuda": 48 * GiB, "cpu": 512 * GiB})
+    cpu, cuda = device(p, "cpu"), device(p, "cuda")
+    assert cpu.latent_kv == 78 * 656 * 1_000_000
+    assert cuda.latent_kv == 78 * (64 * 2**20 + 8 * 1_000_000) + 656 * 1_000_000
+    assert cuda.indexer_keys == 21 * 132 * 1_000_000
+    assert p.kv_dtypes == ["fp8"] and p.fits
+    assert cuda.per_token == 78 * 8 + 656 + 21 * 132 and cpu.per_token == 78 * 656
+
+
 def test_glm5_fp8_at_200k_tokens():
     p = plan("glm-5-fp8", 200_000, kv_dtype="bf16", expert_format="int8")
     cuda, cpu = device(p, "cuda"), device(p, "cpu")
