@@ -5,7 +5,10 @@ disk as safetensors plus a manifest keyed by the source checkpoint and the forma
 memory-maps the cache. With the router and shared expert on the GPU, the hidden state crosses to the
 CPU once per layer through pinned buffers: begin() queues that copy, the MoE block then queues the
 shared expert on the GPU, and finish() waits for the copy alone (the one synchronisation), runs the
-experts on every core while the GPU works, and queues the result's copy back.
+experts on every core while the GPU works, and queues the result's copy back. From `gpu_tokens` tokens
+up (long prefill chunks), the layer runs on the GPU instead: each active expert's packed weights stream
+there through pinned buffers (double-buffered, the next expert's copy under the current one's matmuls),
+are dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens.
 """
 
 import hashlib
@@ -21,10 +24,10 @@ from torch import nn
 
 from . import cache_dir
 from .errors import Glm5Error
-from .kernels import moe_cpu
-from .timeline import span
+from .kernels import experts_triton, moe_cpu
 from .model import Experts
 from .operators import Operator
+from .timeline import span
 
 CACHE_VERSION = 1
 _NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "F32": np.float32}
@@ -111,12 +114,13 @@ class NumbaExperts(nn.Module):
     """Drop-in for Experts: forward(x, ids, weights), and begin()/finish() for overlap with the GPU."""
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
-                 act_int8: bool = False):
+                 act_int8: bool = False, gpu_tokens: int | None = None):
         super().__init__()
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
         self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
+        self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
         self._pinned: dict[str, torch.Tensor] = {}
-        self._copied = None
+        self._read: dict[str, torch.cuda.Event] = {}  # pinned staging buffer -> its last copy to the GPU
 
     def extra_repr(self) -> str:
         return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
@@ -133,8 +137,50 @@ class NumbaExperts(nn.Module):
             self._pinned[name] = buf
         return buf[: shape[0]]
 
+    def _staged(self, name: str, array: np.ndarray, device: torch.device, slot: int) -> torch.Tensor:
+        """One expert's array on device: through pinned buffer `slot` (of two per array) for a GPU, once the copy
+        that last read that buffer is done."""
+        if device.type == "cpu":
+            return torch.from_numpy(np.array(array))
+        key = f"{name}.{slot}"
+        buf = self._pinned.get(key)
+        if buf is None:
+            dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
+            buf = self._pinned[key] = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+        if key in self._read:
+            self._read[key].synchronize()
+        moe_cpu.parallel_copy(array.reshape(array.shape[0], -1), buf.numpy().reshape(array.shape[0], -1))
+        on_device = buf.to(device, non_blocking=True)
+        self._read[key] = torch.cuda.Event()
+        self._read[key].record()
+        return on_device
+
+    def _matrix(self, which: str, e: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
+        """Expert e's w13 ([2I, H]) or w2 ([H, I]) on device in dtype."""
+        values, scales = (self.w13, self.s13) if which == "w13" else (self.w2, self.s2)
+        v = self._staged(which, values[e], device, slot)
+        if self.fmt == "bf16":
+            return v.view(torch.bfloat16).to(dtype)
+        return experts_triton.dequantize(v, self._staged(which + "s", scales[e], device, slot), self.fmt, self.group,
+                                         dtype=dtype)
+
+    def on_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts computed on x's device in x's dtype (x [T, H], ids/weights [T, k])."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        inter = self.w13.shape[1] // 2
+        with span("experts", x.device):
+            for n, e in enumerate(ids.unique().tolist()):
+                rows, slot = torch.where(ids == e)
+                gu = x[rows] @ self._matrix("w13", e, x.dtype, x.device, n % 2).T
+                act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+                y = act @ self._matrix("w2", e, x.dtype, x.device, n % 2).T
+                out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
+        return out.to(x.dtype)
+
     def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        """Queue the hidden state's copy to the host (CUDA), or compute at once (CPU)."""
+        """Queue the hidden state's copy to the host (CUDA), or compute at once (CPU, or a long chunk on the GPU)."""
+        if x.is_cuda and self.gpu_tokens is not None and x.shape[0] >= self.gpu_tokens:
+            return self.on_device(x, ids, weights)
         if not x.is_cuda:
             with span("experts"):
                 out = self._compute(x.float().numpy(), ids.numpy(), weights.float().numpy())
@@ -183,6 +229,9 @@ class NumbaExpertsOperator(Operator):
             return f"activations must be fp32 or int8, got {activations!r}"
         if activations == "int8" and fmt == "bf16":
             return "activations: int8 needs format int8 or int4 (integer dots), not bf16"
+        gpu_tokens = kwargs.get("gpu_tokens")
+        if gpu_tokens is not None and (not isinstance(gpu_tokens, int) or isinstance(gpu_tokens, bool) or gpu_tokens < 1):
+            return f"gpu_tokens must be a positive number of tokens, got {gpu_tokens!r}"
         return None
 
     def format(self, kwargs: dict, dtype: torch.dtype) -> str:
@@ -207,9 +256,10 @@ class NumbaExpertsOperator(Operator):
         if arrays is None:
             arrays = cache.store(slot.name, convert_layer(
                 slot.name, config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tensors, fmt, group))
-        return NumbaExperts(arrays, fmt, group, slot.kwargs.get("threads"), slot.kwargs.get("activations") == "int8")
+        return NumbaExperts(arrays, fmt, group, slot.kwargs.get("threads"), slot.kwargs.get("activations") == "int8",
+                            slot.kwargs.get("gpu_tokens"))
 
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
-    kwargs=("format", "group_size", "threads", "cache_dir", "activations"), devices=("cpu",))
+    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens"), devices=("cpu",))

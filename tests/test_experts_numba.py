@@ -148,6 +148,7 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{speed: 11}", "takes no kwarg 'speed'"),
     ("{activations: int3}", "activations must be fp32 or int8"),
     ("{format: bf16, activations: int8}", "activations: int8 needs format int8 or int4"),
+    ("{gpu_tokens: 0}", "gpu_tokens must be a positive number of tokens"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     path = tmp_path / "bad.yaml"
@@ -175,3 +176,45 @@ def test_planner_counts_the_format(tmp_path):
     experts = 75 * 256 * 3 * 6144 * 2048
     assert plan.expert_format == "int4/g128"
     assert cpu.weights - (cpu.weights - experts // 2 - experts // 128 * 4) == experts // 2 + experts // 32
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 32), ("int4", 64)])
+def test_experts_on_the_device_equal_the_reference(fmt, group):
+    """Long prefill chunks: the layer computed where x lives, each expert's weights dequantised by the Triton
+    kernel (on the CPU: its interpreter), against moe_reference on the same quantised weights (fp32)."""
+    E, H, I = 6, 128, 64
+    g = torch.Generator().manual_seed(7)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
+    (v13, s13), (v2, s2) = moe_cpu.quantize(w13, fmt, group), moe_cpu.quantize(w2, fmt, group)
+    experts = NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, fmt, group, threads=2, gpu_tokens=4)
+    x = torch.randn(9, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(9)])
+    weights = torch.rand(9, 3, generator=g)
+    got = experts.on_device(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)).cpu()
+    ref = moe_cpu.moe_reference(x, moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group),
+                                ids, weights)
+    assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_long_chunks_run_their_experts_on_the_gpu(tiny_dir, tmp_path):
+    """gpu_tokens: a 40-token prefill computes its experts on the GPU, decode steps on the CPU; the logits agree
+    with all-CPU experts within bf16 rounding."""
+    path = tiny_dir()
+    rules = tmp_path / "gpu-experts.yaml"
+    rules.write_text(f"""
+- default: {{device: cuda}}
+- match: {{name: '^model\\.layers\\.\\d+\\.mlp\\.experts$', class: Experts}}
+  replace: {{op: experts.numba, device: cpu, kwargs: {{format: int8, group_size: 32, gpu_tokens: 16,
+             cache_dir: '{tmp_path / "cache"}'}}}}
+  recursive: false
+""")
+    model = load_model(path, dtype=torch.float32, rules=load_rules(rules))
+    cpu_experts = load_model(path, dtype=torch.float32, rules=numba_rules(tmp_path, "int8", 32))
+    cache = model.new_cache(64)
+    ours = torch.cat([model(PROMPT.cuda(), cache).cpu(), model(PROMPT[:1].cuda(), cache).cpu()])
+    want = logits(cpu_experts, torch.cat([PROMPT, PROMPT[:1]]))
+    assert rel_err(ours, want) < 1e-4
