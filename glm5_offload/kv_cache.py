@@ -163,7 +163,9 @@ class KVCache:
                 rows_store.fetch(indices, start, end - rows_store.window)
                 self.prefetched[layer] = None
                 continue
-            side = self.side_streams.setdefault(rows_store.device, torch.cuda.Stream(rows_store.device))
+            if rows_store.device not in self.side_streams:
+                self.side_streams[rows_store.device] = torch.cuda.Stream(rows_store.device)
+            side = self.side_streams[rows_store.device]
             side.wait_stream(torch.cuda.current_stream(rows_store.device))
             with torch.cuda.stream(side):
                 rows_store.fetch(indices, start, end - rows_store.window)
