@@ -99,9 +99,11 @@ def moe_reference(x, w13, w2, ids, weights, act_group: int = 0):
 # Inner loops index slices from 0 (never `base + j`): numba's negative-index wrap-around on a computed
 # index turns LLVM's vector loads into gathers, which made these loops 10x slower.
 
-# ------------------------------------------- int8 activations: one row's dot product in LLVM vector IR
+# ------------------------------------------------------- one row's dot product in LLVM vector IR
 #
-# Per group of inputs the int8 x int8 (or int4 x int8) products are summed exactly in int32 vector lanes:
+# fp32 activations: 16 weights a step widen to fp32 and FMA into fp32 lanes; at the end of a group the
+# lanes take the group's scale. int8 activations: per group the int8 x int8 (or int4 x int8) products are
+# summed exactly in int32 vector lanes:
 # pairs sign-extended to int16 and multiplied-added into int32 (the pattern LLVM lowers to vpmaddwd, or
 # vpdpwssd with AVX512-VNNI), or with VNNI, int4 nibbles (0..15, unsigned) straight into vpdpbusd quads.
 # At the end of a group the lanes turn into fp32 and take the group's scale with one vector FMA; the
@@ -151,25 +153,83 @@ def _sum_lanes(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
-def _grouped_dot(builder, n_groups, group_bytes, lanes, int_lanes, step, scale):
-    """sum over groups g of fp32(int lanes of the group) x scale(g); step(acc, byte offset) adds `lanes` bytes'
-    products into the <int_lanes x i32> accumulator; group_bytes a multiple of lanes."""
-    i32v, f32v = ir.VectorType(ir.IntType(32), int_lanes), ir.VectorType(ir.FloatType(), int_lanes)
+_FP_FLAGS = ("contract", "reassoc", "nsz")  # as the numba kernels' fastmath: FMAs, reordered sums
+
+
+def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scale, float_acc=False):
+    """sum over groups g of (the group's accumulator lanes) x scale(g); step(acc, byte offset) adds `lanes` bytes'
+    products into the <acc_lanes x i32> accumulator (fp32 lanes with float_acc); group_bytes a multiple of lanes.
+    The lanes are summed once, at the end."""
+    f32v = ir.VectorType(ir.FloatType(), acc_lanes)
+    accv = f32v if float_acc else ir.VectorType(ir.IntType(32), acc_lanes)
     total = cgutils.alloca_once_value(builder, ir.Constant(f32v, None))
     steps = builder.udiv(group_bytes, ir.Constant(group_bytes.type, lanes))
     with cgutils.for_range(builder, n_groups) as groups:
-        acc = cgutils.alloca_once_value(builder, ir.Constant(i32v, None))
-        builder.store(ir.Constant(i32v, None), acc)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(accv, None))
+        builder.store(ir.Constant(accv, None), acc)
         base = builder.mul(groups.index, group_bytes)
         with cgutils.for_range(builder, steps) as inner:
             offset = builder.add(base, builder.mul(inner.index, ir.Constant(base.type, lanes)))
             builder.store(step(builder.load(acc), offset), acc)
-        s = scale(groups.index)
-        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(f32v, None), s, ir.Constant(ir.IntType(32), 0)),
-                                       ir.Constant(f32v, None), ir.Constant(i32v, [0] * int_lanes))
-        builder.store(builder.fadd(builder.load(total), builder.fmul(builder.sitofp(builder.load(acc), f32v), splat)),
-                      total)
+        lanes_f32 = builder.load(acc) if float_acc else builder.sitofp(builder.load(acc), f32v)
+        scaled = builder.fmul(lanes_f32, _splat(builder, scale(groups.index), acc_lanes), flags=_FP_FLAGS)
+        builder.store(builder.fadd(builder.load(total), scaled, flags=_FP_FLAGS), total)
     return _sum_lanes(builder, builder.load(total))
+
+
+def _splat(builder, value, lanes):
+    vec = ir.VectorType(value.type, lanes)
+    first = builder.insert_element(ir.Constant(vec, None), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(first, ir.Constant(vec, None), ir.Constant(ir.VectorType(ir.IntType(32), lanes),
+                                                                              [0] * lanes))
+
+
+def _load_f32(builder, ptr, i, lanes):
+    address = builder.bitcast(builder.gep(ptr, [i]), ir.VectorType(ir.FloatType(), lanes).as_pointer())
+    return builder.load(address, align=4)
+
+
+def _fma(builder, acc, a, b):
+    return builder.fadd(acc, builder.fmul(a, b, flags=_FP_FLAGS), flags=_FP_FLAGS)
+
+
+@intrinsic
+def _row_dot_f32(typingctx, row, scales, v, vsum):
+    """sum_g scales[g] (row_g . v_g) for an int8 row (int8 values) or an int4 one (uint8 packed bytes, the
+    nibbles' offset 8 off through vsum[g], v's group sums) against fp32 v: 16 weights a step, fp32 lanes
+    across the whole row, one reduction at its end."""
+    int4 = row.dtype == types.uint8
+
+    def codegen(context, builder, signature, args):
+        row_a, sc_a, v_a, sum_a = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
+        f32v = ir.VectorType(ir.FloatType(), 16)
+        group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)
+
+        def scale(g):
+            return _float_at(builder, sc_a, g)
+
+        if not int4:
+            def step(acc, i):
+                w = builder.sitofp(_load_i8(builder, row_a.data, i, 16), f32v)
+                return _fma(builder, acc, w, _load_f32(builder, v_a.data, i, 16))
+            return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
+
+        def step(acc, i):
+            byte = ir.VectorType(ir.IntType(8), 16)
+            b = _load_i8(builder, row_a.data, i, 16)
+            low = builder.uitofp(builder.and_(b, ir.Constant(byte, [15] * 16)), f32v)
+            high = builder.uitofp(builder.lshr(b, ir.Constant(byte, [4] * 16)), f32v)
+            lo_at = builder.add(i, builder.mul(builder.udiv(i, group_bytes), group_bytes))  # group g's inputs: 2 g B
+            acc = _fma(builder, acc, low, _load_f32(builder, v_a.data, lo_at, 16))
+            return _fma(builder, acc, high, _load_f32(builder, v_a.data, builder.add(lo_at, group_bytes), 16))
+        dot = _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
+        correction = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))
+        with cgutils.for_range(builder, sc_a.nitems) as groups:
+            g = groups.index
+            term = builder.fmul(scale(g), _float_at(builder, sum_a, g))
+            builder.store(builder.fadd(builder.load(correction), term), correction)
+        return builder.fsub(dot, builder.fmul(ir.Constant(ir.FloatType(), 8.0), builder.load(correction)))
+    return types.float32(row, scales, v, vsum), codegen
 
 
 def _float_at(builder, arr, i):
@@ -318,23 +378,7 @@ def _row_dot(fmt, row, scales, group, v, v_group_sums, buf):
     if fmt == 0:
         _row_f32(fmt, row, scales, group, buf)
         return _dot(buf, v)
-    acc = np.float32(0.0)
-    half = group // 2
-    for g in range(v.shape[0] // group):
-        part = np.float32(0.0)
-        if fmt == 1:
-            w, x = row[g * group : (g + 1) * group], v[g * group : (g + 1) * group]
-            for j in range(group):
-                part += np.float32(w[j]) * x[j]
-        else:
-            w = row[g * half : (g + 1) * half]
-            lo, hi = v[g * group : g * group + half], v[g * group + half : (g + 1) * group]
-            for j in range(half):
-                high, low = _nibbles(w[j])
-                part += low * lo[j] + high * hi[j]
-            part -= np.float32(8.0) * v_group_sums[g]
-        acc += part * scales[g]
-    return acc
+    return _row_dot_f32(row, scales, v, v_group_sums)
 
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
