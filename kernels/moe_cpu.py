@@ -193,6 +193,26 @@ def _fma(builder, acc, a, b):
     return builder.fadd(acc, builder.fmul(a, b, flags=_FP_FLAGS), flags=_FP_FLAGS)
 
 
+def _int4_step(builder, packed_ptr, i, lanes, group_bytes):
+    """`lanes` packed int4 bytes at byte offset i -> (low nibbles, high nibbles) as <lanes x i8> (0..15), and the
+    input offsets they multiply: group g's bytes start at g B (B = group_bytes), its inputs at 2 g B, the low
+    nibbles' half first, then the high ones' (quantize's layout)."""
+    b = _load_i8(builder, packed_ptr, i, lanes)
+    low = builder.and_(b, ir.Constant(b.type, [15] * lanes))
+    high = builder.lshr(b, ir.Constant(b.type, [4] * lanes))
+    lo_at = builder.add(i, builder.mul(builder.udiv(i, group_bytes), group_bytes))
+    return low, high, lo_at, builder.add(lo_at, group_bytes)
+
+
+def _minus_offset_8(builder, dot, n_groups, scale, group_sum):
+    """dot - 8 sum_g scale(g) group_sum(g): the int4 nibbles' offset of 8 off, through the inputs' group sums."""
+    correction = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))
+    with cgutils.for_range(builder, n_groups) as groups:
+        term = builder.fmul(scale(groups.index), group_sum(groups.index))
+        builder.store(builder.fadd(builder.load(correction), term), correction)
+    return builder.fsub(dot, builder.fmul(ir.Constant(ir.FloatType(), 8.0), builder.load(correction)))
+
+
 @intrinsic
 def _row_dot_f32(typingctx, row, scales, v, vsum):
     """sum_g scales[g] (row_g . v_g) for an int8 row (int8 values) or an int4 one (uint8 packed bytes, the
@@ -215,20 +235,11 @@ def _row_dot_f32(typingctx, row, scales, v, vsum):
             return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
 
         def step(acc, i):
-            byte = ir.VectorType(ir.IntType(8), 16)
-            b = _load_i8(builder, row_a.data, i, 16)
-            low = builder.uitofp(builder.and_(b, ir.Constant(byte, [15] * 16)), f32v)
-            high = builder.uitofp(builder.lshr(b, ir.Constant(byte, [4] * 16)), f32v)
-            lo_at = builder.add(i, builder.mul(builder.udiv(i, group_bytes), group_bytes))  # group g's inputs: 2 g B
-            acc = _fma(builder, acc, low, _load_f32(builder, v_a.data, lo_at, 16))
-            return _fma(builder, acc, high, _load_f32(builder, v_a.data, builder.add(lo_at, group_bytes), 16))
+            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, 16, group_bytes)
+            acc = _fma(builder, acc, builder.uitofp(low, f32v), _load_f32(builder, v_a.data, lo_at, 16))
+            return _fma(builder, acc, builder.uitofp(high, f32v), _load_f32(builder, v_a.data, hi_at, 16))
         dot = _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
-        correction = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))
-        with cgutils.for_range(builder, sc_a.nitems) as groups:
-            g = groups.index
-            term = builder.fmul(scale(g), _float_at(builder, sum_a, g))
-            builder.store(builder.fadd(builder.load(correction), term), correction)
-        return builder.fsub(dot, builder.fmul(ir.Constant(ir.FloatType(), 8.0), builder.load(correction)))
+        return _minus_offset_8(builder, dot, sc_a.nitems, scale, lambda g: _float_at(builder, sum_a, g))
     return types.float32(row, scales, v, vsum), codegen
 
 
@@ -267,14 +278,9 @@ def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
         group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)  # half a group of inputs
 
         def halves(acc, i, lanes, combine):
-            g_start = builder.mul(builder.udiv(i, group_bytes), group_bytes)  # the group's first byte
-            lo_at = builder.add(i, g_start)  # inputs: group g starts at 2 g_start; lo half, then hi half
-            b = _load_i8(builder, row_a.data, i, lanes)
-            byte = b.type
-            low = builder.and_(b, ir.Constant(byte, [15] * lanes))
-            high = builder.lshr(b, ir.Constant(byte, [4] * lanes))
+            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, lanes, group_bytes)
             acc = combine(acc, low, _load_i8(builder, vq_a.data, lo_at, lanes))
-            return combine(acc, high, _load_i8(builder, vq_a.data, builder.add(lo_at, group_bytes), lanes))
+            return combine(acc, high, _load_i8(builder, vq_a.data, hi_at, lanes))
 
         def scale(g):
             return builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs_a, g))
@@ -295,12 +301,8 @@ def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
             pairs = lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8))  # noqa: E731
             builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 8,
                                        lambda acc, i: halves(acc, i, 16, pairs), scale), result)
-        correction = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))  # the nibbles' offset 8
-        with cgutils.for_range(builder, sc_a.nitems) as groups:
-            g = groups.index
-            s = builder.fmul(scale(g), builder.sitofp(builder.load(builder.gep(sum_a.data, [g])), ir.FloatType()))
-            builder.store(builder.fadd(builder.load(correction), s), correction)
-        return builder.fsub(builder.load(result), builder.fmul(ir.Constant(ir.FloatType(), 8.0), builder.load(correction)))
+        return _minus_offset_8(builder, builder.load(result), sc_a.nitems, scale,
+                               lambda g: builder.sitofp(builder.load(builder.gep(sum_a.data, [g])), ir.FloatType()))
     return types.float32(row, scales, vq, vs, vsum), codegen
 
 
@@ -418,7 +420,7 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     hidden, rows13 = x.shape[1], w13.shape[1]
     inter = rows13 // 2
     n_active, n_pairs = expert_ids.shape[0], gu.shape[0]
-    x_sums = _group_sums(x, group) if fmt == 2 else np.zeros((x.shape[0], 1), np.float32)
+    x_sums = _group_sums(x, group) if fmt == 2 and not act_int8 else np.zeros((x.shape[0], 1), np.float32)
     xq = np.empty((x.shape[0] if act_int8 else 0, hidden), np.int8)
     xs = np.empty((xq.shape[0], hidden // group), np.float32)
     x_qsums = np.empty((xq.shape[0], hidden // group), np.int32)
@@ -438,7 +440,7 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
         for i in range(inter):
             g = gu[p, i]
             act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[p, inter + i]
-    act_sums = _group_sums(act, group) if fmt == 2 else np.zeros((n_pairs, 1), np.float32)
+    act_sums = _group_sums(act, group) if fmt == 2 and not act_int8 else np.zeros((n_pairs, 1), np.float32)
     aq = np.empty((n_pairs if act_int8 else 0, inter), np.int8)
     a_scales = np.empty((aq.shape[0], inter // group), np.float32)
     a_qsums = np.empty((aq.shape[0], inter // group), np.int32)
