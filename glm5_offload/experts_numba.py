@@ -26,7 +26,7 @@ from . import cache_dir
 from .errors import Glm5Error
 from .kernels import experts_triton, moe_cpu
 from .model import Experts
-from .operators import Operator
+from .operators import Operator, is_positive_int
 from .timeline import span
 
 CACHE_VERSION = 1
@@ -220,7 +220,7 @@ class NumbaExpertsOperator(Operator):
         if group not in moe_cpu.GROUP_SIZES:
             return f"group_size must be one of {', '.join(map(str, moe_cpu.GROUP_SIZES))}, got {group!r}"
         threads = kwargs.get("threads")
-        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 1):
+        if threads is not None and not is_positive_int(threads):
             return f"threads must be a positive integer, got {threads!r}"
         if not isinstance(kwargs.get("cache_dir", ""), str):
             return f"cache_dir must be a path, got {kwargs['cache_dir']!r}"
@@ -230,7 +230,7 @@ class NumbaExpertsOperator(Operator):
         if activations == "int8" and fmt == "bf16":
             return "activations: int8 needs format int8 or int4 (integer dots), not bf16"
         gpu_tokens = kwargs.get("gpu_tokens")
-        if gpu_tokens is not None and (not isinstance(gpu_tokens, int) or isinstance(gpu_tokens, bool) or gpu_tokens < 1):
+        if gpu_tokens is not None and not is_positive_int(gpu_tokens):
             return f"gpu_tokens must be a positive number of tokens, got {gpu_tokens!r}"
         return None
 

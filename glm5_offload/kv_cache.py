@@ -16,6 +16,7 @@ import torch
 from .config import ModelConfig
 from .errors import Glm5Error
 from .kernels.dsa_triton import FP8_MAX, fp8_latent_group
+from .operators import is_positive_int
 from .tiered_kv import TieredLatent
 
 
@@ -54,7 +55,7 @@ def latent_layout(kwargs: dict, kv_dtype: str | None = None) -> LatentLayout:
     hot = kwargs.get("hot_budget", "256MiB")
     hot_bytes = parse_size(str(hot), "hot_budget")
     window = kwargs.get("window", 1024)
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+    if not is_positive_int(window):
         raise Glm5Error(f"window must be a positive number of tokens, got {window!r}")
     return LatentLayout(fp8=kv_dtype == "fp8", offload=offload, hot_bytes=hot_bytes, window=window)
 

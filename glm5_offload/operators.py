@@ -14,6 +14,11 @@ DTYPE_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 FP32_WEIGHTS = ("e_score_correction_bias", "weights_proj.weight")  # kept fp32 whatever the format
 
 
+def is_positive_int(value) -> bool:
+    """A rule's count kwarg (threads, tokens): an int >= 1; YAML's true/false are not numbers here."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(frozen=True)
 class Operator:
     name: str
