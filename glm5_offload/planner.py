@@ -13,7 +13,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import Glm5Error
-from .kv_cache import latent_layout
+from .kv_cache import fp8_row_width, latent_layout
 from .model import _SCORE_BUDGET, Attention, Experts, Indexer
 from .operators import DTYPE_FORMATS
 from .rules import Placement
@@ -44,7 +44,7 @@ def human_bytes(n: int | float) -> str:
 def latent_row_bytes(config: ModelConfig, kv_dtype: str) -> int:
     """One token's latent row in one layer: bf16 1152 B for GLM-5; FP8 656 B (e4m3 c, fp32 scale per 128, bf16 rope)."""
     if kv_dtype == "fp8":
-        return config.kv_lora_rank + config.kv_lora_rank // 128 * 4 + config.qk_rope_head_dim * 2
+        return fp8_row_width(config.kv_lora_rank, config.qk_rope_head_dim)
     return config.latent_dim * (2 if kv_dtype == "bf16" else 4)
 
 
@@ -163,6 +163,13 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
         return devices[device]
 
     compute_kv = DTYPE_FORMATS[dtype]
+
+    def kv_form(attention_slot) -> str:
+        """The form of a layer's latent rows and indexer keys: FP8 by the flag or the attention rule, else the
+        flag's dtype or the compute dtype."""
+        fp8 = kv_dtype == "fp8" or latent_layout(attention_slot.kwargs).fp8
+        return "fp8" if fp8 else kv_dtype or compute_kv
+
     key_kinds = set()
     activation_bytes = 4  # temporaries are fp32 at worst
     staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
@@ -175,7 +182,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             d.weights += slot.op.weight_bytes(slot.module, slot.kwargs, dtype, skip=slot.child_slots)
         if isinstance(slot.module, Attention):
             layout = latent_layout(slot.kwargs, "fp8" if kv_dtype == "fp8" else None)
-            kind = "fp8" if layout.fp8 else kv_dtype or compute_kv
+            kind = kv_form(slot)
             latent_kinds.add(kind)
             row = latent_row_bytes(config, kind)
             home = on("cpu") if layout.offload else d
@@ -187,9 +194,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                 staging[slot.device] = max(staging.get(slot.device, 0), row)
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
         elif isinstance(slot.module, Indexer):
-            attention = placement.slots[slot.name.rpartition(".")[0]]  # the layout of its layer decides the form
-            key = index_key_bytes(config, "fp8" if latent_layout(attention.kwargs, kv_dtype if kv_dtype == "fp8" else None).fp8
-                                  else kv_dtype or compute_kv)
+            key = index_key_bytes(config, kv_form(placement.slots[slot.name.rpartition(".")[0]]))  # its attention's
             key_kinds.add(key)
             d.per_token += key
             d.indexer_keys += key * max_seq_len
