@@ -143,12 +143,9 @@ class NumbaExperts(nn.Module):
         if device.type == "cpu":
             return torch.from_numpy(np.array(array))
         key = f"{name}.{slot}"
-        buf = self._pinned.get(key)
-        if buf is None:
-            dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
-            buf = self._pinned[key] = torch.empty(array.shape, dtype=dtype, pin_memory=True)
         if key in self._read:
             self._read[key].synchronize()
+        buf = self._buffer(key, array.shape, torch.from_numpy(np.empty(0, array.dtype)).dtype)
         moe_cpu.parallel_copy(array.reshape(array.shape[0], -1), buf.numpy().reshape(array.shape[0], -1))
         on_device = buf.to(device, non_blocking=True)
         self._read[key] = torch.cuda.Event()
