@@ -173,13 +173,6 @@ class KVCache:
                 indices.record_stream(side)
                 self.prefetched[layer] = side.record_event()
 
-    def settle(self):
-        """Before a forward pass: wait for any prefetch left pending (a pass interrupted between a full layer
-        and its shared layers) and forget it, so every layer fetches its own rows again."""
-        for layer in list(self.prefetched):
-            self._wait_prefetch(layer)
-        self.prefetched.clear()
-
     def _wait_prefetch(self, layer: int):
         event = self.prefetched.get(layer)
         if event is not None:  # the layer's fetch must finish before its window moves

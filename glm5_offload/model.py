@@ -355,7 +355,6 @@ class CausalLM(nn.Module):
         """
         S, start = tokens.shape[0], cache.length
         cache.check_room(S)
-        cache.settle()
         positions = torch.arange(start, start + S, device=self.device)
         cos, sin = cos_sin(self.inv_freq, self.rope_scaling, positions)
         x = self.model.embed_tokens(tokens)
