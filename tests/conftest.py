@@ -83,6 +83,19 @@ def tiny_dir(tmp_path_factory):
     return make
 
 
+def refused_rule(tmp_path, cls: str, replace: str, message: str):
+    """A one-rule file (match the class, replace with `replace`, YAML flow-mapping text) is refused on
+    loading with one line naming the file and matching `message`."""
+    from glm5_offload.errors import Glm5Error
+    from glm5_offload.rules import load_rules
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"- match: {{class: {cls}}}\n  replace: {{{replace}}}\n")
+    with pytest.raises(Glm5Error, match=message) as e:
+        load_rules(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
