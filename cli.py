@@ -87,7 +87,7 @@ def _engine(args, tokenizer_required: bool):
                        budgets=budgets, kv_dtype=args.kv_dtype)
     if args.prefill_chunk < 1:
         raise Glm5Error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
-    engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=args.prefill_chunk)
+    engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=args.prefill_chunk, cuda_graphs=not args.eager)
     if args.ignore_eos:
         engine.stop_ids = set()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-dtype", choices=["fp8"], default=None,
                        help="keep every layer's latent rows in the 656-byte FP8 form (default: the attention rules')")
         p.add_argument("--cpu-threads", type=int, default=None, help="CPU threads for torch and the numba experts")
+        p.add_argument("--eager", action="store_true",
+                       help="decode without CUDA graphs (by default a placement with CPU experts decodes from them)")
         p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
         p.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
         p.add_argument("--top-p", type=float, default=top_p)

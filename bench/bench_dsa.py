@@ -35,12 +35,13 @@ def indexer_inputs(S, T, fp8=False):
 def indexer_case(S, T, fp8=False):
     """(eager ms, CUDA-graph ms or None, torch ms or None, bytes, flops)."""
     q, keys, w, kw, nbytes = indexer_inputs(S, T, fp8)
-    run = lambda: dsa_triton.indexer_scores(q, keys, w, T - S, **kw)  # noqa: E731
+    positions = torch.arange(T - S, T, device="cuda")
+    run = lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw)  # noqa: E731
     ms = ceilings.time_ms(run)
     graph = ceilings.graph_ms(run) if S <= 4 else None
     ref_ms = None
     if S * T <= 2**28 and not fp8:
-        ref_ms = ceilings.time_ms(lambda: indexer_scores(q, keys, w, T - S), warmup=1, iters=3)
+        ref_ms = ceilings.time_ms(lambda: indexer_scores(q, keys, w, positions), warmup=1, iters=3)
     return ms, graph, ref_ms, nbytes, 2 * S * H_IDX * D_IDX * T
 
 
@@ -70,11 +71,11 @@ def decode_sweep() -> dict:
     for T in (131072, 1048576):
         for fp8 in (False, True):
             q, keys, w, kw, nbytes = indexer_inputs(1, T, fp8)
-            timings = {}
+            timings, last = {}, torch.tensor([T - 1], device="cuda")
             for block_t in (128, 256, 512):
                 for warps in (4, 8):
                     timings[f"block_t={block_t},warps={warps}"] = ceilings.graph_ms(
-                        lambda: dsa_triton.indexer_scores(q, keys, w, T - 1, block_t=block_t, num_warps=warps, **kw)) * 1e3
+                        lambda: dsa_triton.indexer_scores(q, keys, w, last, block_t=block_t, num_warps=warps, **kw)) * 1e3
             best = min(timings, key=timings.get)
             out[f"indexer_decode_{'fp8' if fp8 else 'bf16'}_{T}"] = {"best": best, "us": timings[best]}
     for S in (1, 32):
@@ -100,6 +101,7 @@ def prefill_sweep() -> dict:
     out = {}
     S, T = 2048, 16384
     q, keys, w, _, _ = indexer_inputs(S, T)
+    positions = torch.arange(T - S, T, device="cuda")
     flops = 2 * S * H_IDX * D_IDX * T
     timings = {}
     for block_s in (4, 8):
@@ -107,7 +109,7 @@ def prefill_sweep() -> dict:
             for key_blocks in (1, 4):
                 for warps in (4, 8):
                     ms = ceilings.time_ms(lambda: dsa_triton.indexer_scores(
-                        q, keys, w, T - S, block_s=block_s, block_t=block_t, key_blocks=key_blocks, num_warps=warps))
+                        q, keys, w, positions, block_s=block_s, block_t=block_t, key_blocks=key_blocks, num_warps=warps))
                     timings[f"block_s={block_s},block_t={block_t},key_blocks={key_blocks},warps={warps}"] = flops / ms / 1e9
     best = max(timings, key=timings.get)
     out["indexer_prefill"] = {"best": best, "tflops": timings[best]}

@@ -11,18 +11,17 @@ from .model import _SCORE_BUDGET, Attention, Indexer
 
 
 class TritonIndexer(Indexer):
-    def scores(self, q, keys, weights, start, end):
+    def scores(self, q, keys, weights, positions, end):
         if isinstance(keys, FP8Keys):
-            return dsa_triton.indexer_scores(q, keys.values[:end], weights, start, key_scales=keys.scales[:end])
-        return dsa_triton.indexer_scores(q, keys[:end], weights, start)
+            return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end])
+        return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
 
-    def write_keys(self, k, cos, sin, keys, start):
-        """FP8 rows: rope and quantisation in one kernel, straight into the cache."""
+    def write_keys(self, k, cos, sin, keys, positions):
+        """FP8 rows: rope and quantisation in one kernel, straight into the cache rows at positions."""
         if not isinstance(keys, FP8Keys):
-            return super().write_keys(k, cos, sin, keys, start)
-        end = start + k.shape[0]
-        dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values[start:end],
-                                      keys.scales[start:end])
+            return super().write_keys(k, cos, sin, keys, positions)
+        dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values, keys.scales,
+                                      rows=positions)
 
     def query_chunk(self, n_keys: int) -> int:
         """The kernel sums over heads as it goes: only [queries, keys] scores are held."""

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from .decode_graphs import DecodeGraphs, unsupported
 from .errors import Glm5Error
 from .model import CausalLM
+from .timeline import is_active
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ class Engine:
     with the same tokens (a chat's next turn, a request extending the last conversation) prefills only
     what is new."""
 
-    def __init__(self, model: CausalLM, max_seq_len: int | None = None, prefill_chunk: int = 2048):
+    def __init__(self, model: CausalLM, max_seq_len: int | None = None, prefill_chunk: int = 2048,
+                 cuda_graphs: bool = True):
+        """cuda_graphs: decode from CUDA graphs where the placement allows it (decode_graphs.py); False: eager."""
         self.model = model
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
         if self.max_seq_len > model.config.max_position_embeddings:
@@ -95,6 +99,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stop_ids = set(model.config.eos_token_ids)
         self.cache = None
+        self.graphs: DecodeGraphs | None = None
+        self.use_graphs = cuda_graphs and unsupported(model) is None
         self.cache_ids: list[int] = []  # the tokens whose rows the cache holds, in order
 
     def reset(self):
@@ -105,6 +111,12 @@ class Engine:
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ids to the cache; the last one's logits [vocab]."""
+        if len(ids) == 1 and self.use_graphs and not is_active():
+            if self.graphs is None:
+                self.graphs = DecodeGraphs(self.model, self.cache)
+            logits = self.graphs.step(ids[0])
+            self.cache_ids.extend(ids)
+            return logits
         logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.model.device), self.cache, logits_for="last")
         self.cache_ids.extend(ids)
         return logits[-1]

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
@@ -164,10 +165,14 @@ class NumbaExperts(nn.Module):
     def on_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts computed on x's device in x's dtype (x [T, H], ids/weights [T, k])."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        inter = self.w13.shape[1] // 2
+        inter, k = self.w13.shape[1] // 2, ids.shape[1]
         with span("experts", x.device):
-            for n, e in enumerate(ids.unique().tolist()):
-                rows, slot = torch.where(ids == e)
+            order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+            counts = torch.bincount(ids.flatten(), minlength=self.w13.shape[0]).tolist()  # the one host sync
+            starts = [0, *accumulate(counts)]
+            for n, e in enumerate(e for e, c in enumerate(counts) if c):
+                pairs = order[starts[e] : starts[e + 1]]
+                rows, slot = pairs // k, pairs % k
                 gu = x[rows] @ self._matrix("w13", e, x.dtype, x.device, n % 2).T
                 act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
                 y = act @ self._matrix("w2", e, x.dtype, x.device, n % 2).T
@@ -197,12 +202,15 @@ class NumbaExperts(nn.Module):
         (x_host, ids_host, w_host), copied, x = pending
         with span("transfers"):
             copied.synchronize()  # the copy only: the GPU goes on with whatever was queued after it
-        with span("experts"):
-            out = self._compute(x_host.numpy(), ids_host.numpy(), w_host.numpy())
-        out_host = self._buffer("out", out.shape, torch.float32)
-        out_host.copy_(torch.from_numpy(out))
+        out_host = self._buffer("out", x_host.shape, torch.float32)
+        self.compute_host(x_host, ids_host, w_host, out_host)
         with span("transfers", x.device):
             return out_host.to(x.device, non_blocking=True).to(x.dtype)
+
+    def compute_host(self, x_host, ids_host, w_host, out_host):
+        """The experts' sum for host tensors x [T, H] fp32, ids [T, k] int64, weights [T, k] fp32, into out_host."""
+        with span("experts"):
+            out_host.copy_(torch.from_numpy(self._compute(x_host.numpy(), ids_host.numpy(), w_host.numpy())))
 
     def forward(self, x, ids, weights):
         return self.finish(self.begin(x, ids, weights))

@@ -121,25 +121,33 @@ class KVCache:
         self.side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.length = 0  # tokens whose rows are written in every layer
 
-    def check_room(self, n_new: int):
+    def begin_pass(self, n_new: int):
+        """Before a forward of n_new tokens at positions length..: refuse what would not fit, and reset the hot
+        state of offloaded layers whose rows were rewound (a chat's next turn keeping a common prefix)."""
         if self.length + n_new > self.max_seq_len:
             raise Glm5Error(
                 f"context of {self.length + n_new} tokens exceeds max_seq_len {self.max_seq_len}"
             )
+        for rows_store in self.latent:
+            if isinstance(rows_store, TieredLatent):
+                if rows_store.end != self.length:
+                    rows_store.reset(self.length)
+                rows_store.end = self.length + n_new
 
-    def write_latent(self, layer: int, start: int, rows: torch.Tensor):
-        """rows [S, L+R] (compute dtype) of tokens start.. into layer's cache, in its form."""
+    def write_latent(self, layer: int, positions: torch.Tensor, rows: torch.Tensor):
+        """rows [S, L+R] (compute dtype) of the tokens at positions [S] into layer's cache, in its form."""
         if self.layouts[layer].fp8:
             rows = quantize_latent(rows, self.kv_lora_rank)
         rows_store = self.latent[layer]
         if isinstance(rows_store, TieredLatent):
             self._wait_prefetch(layer)
-            rows_store.write(start, rows)
+            rows_store.write(positions, rows)
         else:
-            rows_store[start : start + rows.shape[0]] = rows
+            rows_store.index_copy_(0, positions, rows.to(rows_store.dtype))
 
-    def rows_for(self, layer: int, indices: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The latent rows attention reads for queries start..end-1 and their indices [S, K] into them."""
+    def rows_for(self, layer: int, indices: torch.Tensor, positions: torch.Tensor, end: int):
+        """The latent rows attention reads for the queries at positions [S] (all below end) and their indices
+        [S, K] into them."""
         rows_store = self.latent[layer]
         if not isinstance(rows_store, TieredLatent):
             return rows_store[:end], indices
@@ -147,21 +155,22 @@ class KVCache:
             if layer in self.prefetched:
                 del self.prefetched[layer]
             else:
-                rows_store.fetch(indices, start, end - rows_store.window)
+                rows_store.fetch(indices, positions[0], positions[-1] + 1 - rows_store.window)
             return rows_store.hot, rows_store.slot_of[indices]
         staging = self.staging[rows_store.device, rows_store.host.dtype]  # prefill: every row so far, one copy
         staging[:end].copy_(rows_store.host[:end], non_blocking=True)
         return staging[:end], indices
 
-    def prefetch(self, layers: list[int], indices: torch.Tensor, start: int, end: int):
+    def prefetch(self, layers: list[int], indices: torch.Tensor, positions: torch.Tensor):
         """IndexShare: shared layers reuse a full layer's indices, so their misses can be fetched now, on a side
         stream (CUDA), overlapped with the layers in between."""
+        below, window_end = positions[0], positions[-1] + 1
         for layer in layers:
             rows_store = self.latent[layer]
             if not isinstance(rows_store, TieredLatent) or not rows_store.fits_fetch(indices):
                 continue
             if rows_store.device.type != "cuda":
-                rows_store.fetch(indices, start, end - rows_store.window)
+                rows_store.fetch(indices, below, window_end - rows_store.window)
                 self.prefetched[layer] = None
                 continue
             if rows_store.device not in self.side_streams:
@@ -169,8 +178,9 @@ class KVCache:
             side = self.side_streams[rows_store.device]
             side.wait_stream(torch.cuda.current_stream(rows_store.device))
             with torch.cuda.stream(side):
-                rows_store.fetch(indices, start, end - rows_store.window)
+                rows_store.fetch(indices, below, window_end - rows_store.window)
                 indices.record_stream(side)
+                positions.record_stream(side)
                 self.prefetched[layer] = side.record_event()
 
     def _wait_prefetch(self, layer: int):

@@ -141,22 +141,23 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(config.hidden_size, self.n_heads)  # kept fp32
 
-    def scores(self, q, keys, weights, start: int, end: int):
-        """Index scores [S, end] against the first `end` cached keys (plain torch here; indexer.dsa_triton's
-        kernel overrides it)."""
+    def scores(self, q, keys, weights, positions, end: int):
+        """Index scores [S, end] of the queries at positions [S] against the first `end` cached keys (plain torch
+        here; indexer.dsa_triton's kernel overrides it)."""
         if isinstance(keys, FP8Keys):
-            return indexer_scores(q, keys.values[:end].float() * keys.scales[:end, None], weights, start)
-        return indexer_scores(q, keys[:end], weights, start)
+            return indexer_scores(q, keys.values[:end].float() * keys.scales[:end, None], weights, positions)
+        return indexer_scores(q, keys[:end], weights, positions)
 
-    def write_keys(self, k, cos, sin, keys, start: int):
-        """Rope the new keys k [S, head_dim] and write them into the cache rows (FP8: values and scales)."""
+    def write_keys(self, k, cos, sin, keys, positions):
+        """Rope the new keys k [S, head_dim] and write them into the cache rows at positions [S] (FP8: values
+        and scales)."""
         k = self._rope(k, cos, sin)
         if isinstance(keys, FP8Keys):
             values, scales = quantize_keys_reference(k)
-            keys.values[start : start + k.shape[0]] = values
-            keys.scales[start : start + k.shape[0]] = scales
+            keys.values.view(torch.uint8).index_copy_(0, positions, values.view(torch.uint8))  # no e4m3 kernel
+            keys.scales.index_copy_(0, positions, scales)
         else:
-            keys[start : start + k.shape[0]] = k
+            keys.index_copy_(0, positions, k.to(keys.dtype))
 
     def query_chunk(self, n_keys: int) -> int:
         """Queries scored per call: the reference holds [queries, heads, keys] logits at once."""
@@ -166,32 +167,34 @@ class Indexer(nn.Module):
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
 
-    def forward(self, x, qr, cos, sin, keys, start: int):
-        """x [S, hidden], qr [S, q_lora]; keys: this layer's indexer-key cache rows (a tensor, or FP8Keys).
+    def forward(self, x, qr, cos, sin, keys, positions, end: int):
+        """x [S, hidden], qr [S, q_lora] of the tokens at positions [S] (int64, on x's device); keys: this
+        layer's indexer-key cache rows (a tensor, or FP8Keys); end: scores cover keys 0..end-1 (>= the last
+        position + 1; keys past a query's position score -inf).
 
-        Returns the selected token positions [S, min(topk, start+S)] (int64), -1 where fewer are valid.
+        Returns the selected token positions [S, min(topk, end)] (int64), -1 where fewer are valid.
         """
         S = x.shape[0]
         q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
-        self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, start)
+        self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, positions)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
-        end = start + S
         chunk = self.query_chunk(end)
         return torch.cat([
-            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], start + s, end), self.topk)
+            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end),
+                         self.topk)
             for s in range(0, S, chunk)
         ])
 
 
-def indexer_scores(q, keys, weights, start: int):
-    """score[s, t] = sum_h w[s,h] * relu(q[s,h] . k[t]) * head_dim^-0.5; -inf where t > start + s.
+def indexer_scores(q, keys, weights, positions):
+    """score[s, t] = sum_h w[s,h] * relu(q[s,h] . k[t]) * head_dim^-0.5; -inf where t > positions[s].
 
-    q [S, H, D], keys [T, D], weights [S, H] fp32 -> [S, T] fp32.
+    q [S, H, D], keys [T, D], weights [S, H] fp32, positions [S] int64 -> [S, T] fp32.
     """
-    S, T = q.shape[0], keys.shape[0]
+    T = keys.shape[0]
     logits = torch.einsum("shd,td->sht", q.float(), keys.float()) * q.shape[-1] ** -0.5
     scores = torch.einsum("sh,sht->st", weights, F.relu(logits))
-    causal = torch.arange(T, device=q.device)[None, :] > (start + torch.arange(S, device=q.device))[:, None]
+    causal = torch.arange(T, device=q.device)[None, :] > positions[:, None]
     return scores.masked_fill(causal, float("-inf"))
 
 
@@ -252,12 +255,13 @@ class Attention(nn.Module):
         """Sparse MLA over the selected latent rows -> o [S, H, kv_lora_rank] fp32 (plain torch here)."""
         return sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
 
-    def forward(self, x, cos, sin, cache: KVCache, start: int, shared_indices):
-        """x [S, hidden] -> (out [S, hidden], the selected indices [S, K] for the shared layers above)."""
+    def forward(self, x, cos, sin, cache: KVCache, positions, end: int, shared_indices):
+        """x [S, hidden] at positions [S] (int64, on x's device), end >= positions[-1] + 1 (Indexer.forward)
+        -> (out [S, hidden], the selected indices [S, K] for the shared layers above)."""
         with span("attention", x.device):
-            return self._forward(x, cos, sin, cache, start, shared_indices)
+            return self._forward(x, cos, sin, cache, positions, end, shared_indices)
 
-    def _forward(self, x, cos, sin, cache, start, shared_indices):
+    def _forward(self, x, cos, sin, cache, positions, end, shared_indices):
         S = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
@@ -265,13 +269,13 @@ class Attention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
         k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
-        cache.write_latent(self.layer, start, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
+        cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:
-            indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], start)
+            indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
         else:
             indices = shared_indices
-        latent, rows = cache.rows_for(self.layer, indices.to(x.device), start, start + S)
+        latent, rows = cache.rows_for(self.layer, indices.to(x.device), positions, end)
 
         wkv_b = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
@@ -290,8 +294,8 @@ class DecoderLayer(nn.Module):
         moe = config.mlp_layer_types[layer] == "moe"
         self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, cache, start, shared_indices):
-        h, indices = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, shared_indices)
+    def forward(self, x, cos, sin, cache, positions, end: int, shared_indices):
+        h, indices = self.self_attn(self.input_layernorm(x), cos, sin, cache, positions, end, shared_indices)
         x = x + h.to(x.device)
         return x + self.mlp(self.post_attention_layernorm(x)).to(x.device), indices
 
@@ -354,15 +358,15 @@ class CausalLM(nn.Module):
         Returns logits [S, vocab] (fp32), or [1, vocab] for the last token with logits_for="last".
         """
         S, start = tokens.shape[0], cache.length
-        cache.check_room(S)
+        cache.begin_pass(S)
         positions = torch.arange(start, start + S, device=self.device)
         cos, sin = cos_sin(self.inv_freq, self.rope_scaling, positions)
         x = self.model.embed_tokens(tokens)
         indices = None
         for layer in self.model.layers:
-            x, indices = layer(x, cos, sin, cache, start, indices)
+            x, indices = layer(x, cos, sin, cache, positions, start + S, indices)
             if layer.self_attn.indexer is not None:  # IndexShare: fetch the shared layers' rows meanwhile
-                cache.prefetch(self.shared_after[layer.self_attn.layer], indices, start, start + S)
+                cache.prefetch(self.shared_after[layer.self_attn.layer], indices, positions)
         cache.length = start + S
         if logits_for == "last":
             x = x[-1:]

@@ -34,13 +34,13 @@ def _gather_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, WORDS: tl.
 
 
 def gather_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor):
-    """dst[dst_rows[i]] = src[src_rows[i]] wherever src_rows[i] >= 0: the Triton gather for a GPU dst, torch's
-    indexing on the CPU."""
-    if dst.device.type == "cpu":
+    """dst[dst_rows[i]] = src[src_rows[i]] wherever src_rows[i] >= 0: the Triton gather when either side is on a
+    GPU (the other may be pinned host memory), torch's indexing when both are host tensors."""
+    if src.is_cuda or dst.is_cuda:
+        gather_rows_triton(src, src_rows, dst, dst_rows)
+    else:
         keep = src_rows >= 0
         dst[dst_rows[keep]] = src[src_rows[keep]]
-    else:
-        gather_rows_triton(src, src_rows, dst, dst_rows)
 
 
 def gather_rows_triton(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor):
@@ -63,8 +63,8 @@ class TieredLatent:
         self.slot_of = torch.full((max_seq_len + 1,), -1, dtype=torch.long, device=device)  # [-1]: dummy token
         self.token_of = torch.full((self.lru + 1,), -1, dtype=torch.long, device=device)  # LRU slot -> token
         self.stamp = torch.zeros(self.lru + 1, dtype=torch.long, device=device)  # LRU slot -> last step used
-        self.step = 0
-        self.end = 0  # tokens written
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # fetches so far: the LRU clock
+        self.end = 0  # tokens written, or being written by the pass under way (KVCache.begin_pass)
         self.hits = torch.zeros((), dtype=torch.long, device=device)  # selected rows found hot / fetched
         self.misses = torch.zeros((), dtype=torch.long, device=device)
 
@@ -74,7 +74,7 @@ class TieredLatent:
     def nbytes_hot(self) -> int:
         return self.hot.numel() * self.hot.element_size() + (self.slot_of.numel() + 2 * self.stamp.numel()) * 8
 
-    def _reset(self, end: int):
+    def reset(self, end: int):
         """Forget the hot state (the cache was rewound to `end` tokens); refill the window from host."""
         self.slot_of.fill_(-1)
         self.token_of.fill_(-1)
@@ -85,24 +85,24 @@ class TieredLatent:
         self.slot_of[positions] = positions % self.window
         self.end = end
 
-    def write(self, start: int, rows: torch.Tensor):
-        """Rows [S, width] of tokens start .. start+S-1: to the host tier, and the last `window` to the hot one."""
-        if start != self.end:
-            self._reset(start)
-        end = start + rows.shape[0]
-        self.host[start:end].copy_(rows, non_blocking=True)
-        W = self.window
-        leaving = self.slot_of[max(0, start - W) : max(0, end - W)]
-        leaving.masked_fill_(leaving < W, -1)  # out of the window (unless since moved to an LRU slot)
-        begin = max(start, end - W)
-        positions = torch.arange(begin, end, device=self.device)
-        self.hot[positions % W] = rows[begin - start :]
-        self.slot_of[positions] = positions % W
-        self.end = end
+    def write(self, positions: torch.Tensor, rows: torch.Tensor):
+        """Rows [S, width] of the consecutive tokens at positions [S] (on the device): to the host tier (written
+        from the GPU straight into pinned memory), and the last `window` to the hot one. Tensor work only, no
+        host-side position: a CUDA graph can replay it."""
+        S, W = rows.shape[0], self.window
+        gather_rows(rows, torch.arange(S, device=self.device), self.host, positions)
+        leaving = positions - W  # these tokens leave the window (unless since moved to an LRU slot)
+        slot = self.slot_of[torch.where(leaving >= 0, leaving, -1)]  # -1: the dummy token, slot -1
+        self.slot_of[torch.where((slot >= 0) & (slot < W), leaving, -1)] = -1
+        kept = positions > positions[-1] - W  # the chunk's last W rows stay hot
+        self.hot[torch.where(kept, positions % W, self.hot.shape[0] - 1)] = rows  # the rest into the dummy slot
+        self.slot_of[torch.where(kept, positions, -1)] = torch.where(kept, positions % W, -1)
+        self.slot_of[-1] = -1
 
-    def fetch(self, indices: torch.Tensor, below: int, window_from: int):
+    def fetch(self, indices: torch.Tensor, below, window_from):
         """Make the rows of indices [S, K] (< below; -1 = none) hot. Window rows of tokens < window_from count
-        as misses: they leave the window before attention reads them. Needs lru >= 2 S K."""
+        as misses: they leave the window before attention reads them. Needs lru >= 2 S K. below and window_from
+        are ints or 0-d device tensors."""
         t = indices.flatten()
         t = torch.where((t >= 0) & (t < below), t, -1).sort().values
         t[1:].masked_fill_(t[1:] == t[:-1], -1)  # each token once

@@ -29,6 +29,10 @@ class Timeline:
         _active = None
 
 
+def is_active() -> bool:
+    return _active is not None
+
+
 def _sync(device):
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

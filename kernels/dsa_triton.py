@@ -25,10 +25,12 @@ def quantize_keys_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 @triton.jit
-def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, D: tl.constexpr, RD: tl.constexpr,
+def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D: tl.constexpr, RD: tl.constexpr,
                        HALF: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr):
     # one key: rope on dims [0:RD] (output [rotated firsts | rotated seconds], as rope.apply_rope), then FP8
+    # into output row rows[t]
     t = tl.program_id(0)
+    row = tl.load(rows_ptr + t)
     half = HALF
     i = tl.arange(0, HALF)
     if INTERLEAVED:
@@ -45,23 +47,24 @@ def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, D: tl.conste
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1)), tl.max(tl.abs(r2))), tl.max(tl.abs(rest)))
     scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
     # div_rn: IEEE division, as torch's reference does (plain `/` is approximate on the GPU)
-    tl.store(out_ptr + t * D + i, tl.div_rn(r1, scale).to(tl.float8e4nv))
-    tl.store(out_ptr + t * D + half + i, tl.div_rn(r2, scale).to(tl.float8e4nv))
-    tl.store(out_ptr + t * D + RD + rest_i, tl.div_rn(rest, scale).to(tl.float8e4nv))
-    tl.store(scale_ptr + t, scale)
+    tl.store(out_ptr + row * D + i, tl.div_rn(r1, scale).to(tl.float8e4nv))
+    tl.store(out_ptr + row * D + half + i, tl.div_rn(r2, scale).to(tl.float8e4nv))
+    tl.store(out_ptr + row * D + RD + rest_i, tl.div_rn(rest, scale).to(tl.float8e4nv))
+    tl.store(scale_ptr + row, scale)
 
 
 def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
-                       out: torch.Tensor, scales: torch.Tensor):
-    """Fused: rope on keys k [N, D] (cos, sin [N, rope_dim/2] fp32), then FP8 straight into out [N, D] e4m3 and
-    scales [N] fp32 (rows of the indexer-key cache)."""
+                       out: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None):
+    """Fused: rope on keys k [N, D] (cos, sin [N, rope_dim/2] fp32), then FP8 straight into rows `rows` [N]
+    (int64; default 0..N-1) of out [T, D] e4m3 and scales [T] fp32 (the indexer-key cache)."""
     N, D = k.shape
-    _rope_quant_kernel[(N,)](k.contiguous(), cos.float().contiguous(), sin.float().contiguous(), out, scales,
+    rows = torch.arange(N, device=k.device) if rows is None else rows
+    _rope_quant_kernel[(N,)](k.contiguous(), cos.float().contiguous(), sin.float().contiguous(), out, scales, rows,
                              D=D, RD=rope_dim, HALF=rope_dim // 2, REST=D - rope_dim, INTERLEAVED=interleaved)
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, S, T, start, scale,
+def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
                     KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
     # q [S, H, D], keys [T, D] (FP8: e4m3 with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
@@ -77,6 +80,7 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, S, T, start, scale,
         q = q.to(tl.float32)
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    pos = tl.load(pos_ptr + s, mask=s < S, other=0)
     for b in tl.static_range(KEY_BLOCKS):
         cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
         k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
@@ -86,18 +90,18 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, out_ptr, S, T, start, scale,
         scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
         if FP8:
             scores = scores * tl.load(ks_ptr + cols, mask=cols < T, other=1.0)[None, :]
-        scores = tl.where(cols[None, :] > start + s[:, None], float("-inf"), scores)
+        scores = tl.where(cols[None, :] > pos[:, None], float("-inf"), scores)
         tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
 
 
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, start: int,
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                    out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
                    block_s: int | None = None, block_t: int | None = None, key_blocks: int | None = None,
                    num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
-    """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > start + s.
+    """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > positions[s].
 
-    q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32
-    -> [S, T] fp32. The block shapes default to the fastest of bench_dsa's sweep on an H200.
+    q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32,
+    positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. The block shapes default to the fastest of bench_dsa's sweep on an H200.
     """
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
@@ -112,8 +116,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
     num_warps = num_warps or 8
     grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
-    _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(), out, S, T, start,
-                          D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
+    _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(),
+                          positions.contiguous(), out, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
                           CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps,
                           num_stages=num_stages)
     return out

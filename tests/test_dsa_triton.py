@@ -17,10 +17,12 @@ def check_indexer(S, H, D, T, start, dtype, seed, **blocks):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(S, H, D, generator=g).to(DEVICE, dtype)
     keys = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    keys[start + S :] = float("nan")  # rows past the last query's position (a CUDA graph's bucket) are not read
     w = torch.randn(S, H, generator=g).to(DEVICE)
+    positions = torch.arange(start, start + S, device=DEVICE)
     out = torch.full((S, T), float("nan"), device=DEVICE)  # poisoned: every element must be written
-    got = dsa_triton.indexer_scores(q, keys, w, start, out=out, **blocks)
-    ref = indexer_scores(q, keys, w, start)
+    got = dsa_triton.indexer_scores(q, keys, w, positions, out=out, **blocks)
+    ref = indexer_scores(q, keys, w, positions)
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite)  # the causal limit, and nothing left unwritten
     assert rel_err(got[finite], ref[finite]) < 1e-5
@@ -29,7 +31,7 @@ def check_indexer(S, H, D, T, start, dtype, seed, **blocks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("S, H, T, start", [(1, 8, 300, 299), (7, 8, 389, 382), (5, 16, 129, 100)])
+@pytest.mark.parametrize("S, H, T, start", [(1, 8, 300, 299), (7, 8, 389, 382), (5, 16, 129, 100), (1, 8, 300, 170)])
 def test_indexer_scores(dtype, S, H, T, start):
     check_indexer(S, H, 32, T, start, dtype, seed=S * 1000 + T)
 
@@ -133,13 +135,14 @@ def check_indexer_fp8(S, H, D, T):
     k8, scales = dsa_triton.quantize_keys_reference(torch.randn(T, D, generator=g).to(DEVICE))
     w = torch.randn(S, H, generator=g).to(DEVICE)
     out = torch.full((S, T), float("nan"), device=DEVICE)
-    got = dsa_triton.indexer_scores(q, k8, w, T - S, out=out, key_scales=scales)
-    ref = indexer_scores(q, k8.float() * scales[:, None], w, T - S)
+    positions = torch.arange(T - S, T, device=DEVICE)
+    got = dsa_triton.indexer_scores(q, k8, w, positions, out=out, key_scales=scales)
+    ref = indexer_scores(q, k8.float() * scales[:, None], w, positions)
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite) and rel_err(got[finite], ref[finite]) < 1e-5
     assert torch.equal(topk_indices(got, 16).sort(-1).values, topk_indices(ref, 16).sort(-1).values)
     with pytest.raises(ValueError, match="key_scales"):
-        dsa_triton.indexer_scores(q, k8, w, T - S)
+        dsa_triton.indexer_scores(q, k8, w, positions)
 
 
 @pytest.mark.parametrize("S, T", [(1, 300), (6, 257)])

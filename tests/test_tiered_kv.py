@@ -44,11 +44,13 @@ def check_resident(tier: TieredLatent, tokens: torch.Tensor):
 def test_fetch_keeps_selected_rows_hot_and_exact():
     g = torch.Generator().manual_seed(1)
     tier = TieredLatent(600, 8, torch.float32, torch.device(DEVICE), hot_rows=72, window=8)
-    tier.write(0, torch.randn(300, 8, generator=g).to(DEVICE))  # prefill: only the last 8 are hot
+    tier.write(torch.arange(300, device=DEVICE), torch.randn(300, 8, generator=g).to(DEVICE))  # only the last 8 hot
     assert torch.equal(tier.slot_of[:300].cpu() >= 0, torch.arange(300) >= 292)
     end, selected, last = 300, 0, None
     for step in range(60):
-        tier.write(end, torch.randn(1, 8, generator=g).to(DEVICE))
+        row = torch.randn(1, 8, generator=g)
+        tier.write(torch.tensor([end], device=DEVICE), row.to(DEVICE))
+        assert torch.equal(tier.host[end], row[0])  # written through to the host tier
         end += 1
         picks = torch.randperm(end, generator=g)[:16]
         if step % 3:  # the same rows again (as DSA's selections mostly are): they must be hits
@@ -62,7 +64,8 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     assert hits + misses == selected and hits > selected // 3 and misses > 0
 
     # the cache rewound (a new prompt shares only a prefix): the hot state restarts from the host rows
-    tier.write(200, torch.randn(3, 8, generator=g).to(DEVICE))
+    tier.reset(200)
+    tier.write(torch.arange(200, 203, device=DEVICE), torch.randn(3, 8, generator=g).to(DEVICE))
     assert torch.equal(tier.slot_of[:400].cpu() >= 0, (torch.arange(400) >= 195) & (torch.arange(400) < 203))
     picks = torch.tensor([0, 150, 199, 201]).to(DEVICE)
     tier.fetch(picks[None], 200, 203 - tier.window)

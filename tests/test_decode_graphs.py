@@ -1,0 +1,73 @@
+"""Decode cut into pieces at the CPU experts (decode_graphs.py): the same logits as the model's forward, on the
+CPU with the pieces run eagerly, and on a GPU replayed from CUDA graphs (`gpu` marker)."""
+
+import pytest
+import torch
+from conftest import rel_err
+
+from glm5_offload.decode_graphs import DecodeGraphs, unsupported
+from glm5_offload.engine import Engine
+from glm5_offload.loader import load_model
+from glm5_offload.rules import load_rules
+
+ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
+
+
+def cpu_expert_rules(path, device, attention_kwargs="{}"):
+    attention, indexer = ("dsa_triton", "dsa_triton") if device == "cuda" else ("reference", "reference")
+    path.write_text(f"""
+- default: {{device: {device}}}
+- match: {{name: '^model\\.layers\\.\\d+\\.mlp\\.experts$', class: Experts}}
+  replace: {{op: experts.numba, device: cpu, kwargs: {{format: int8, group_size: 32}}}}
+  recursive: false
+- match: {{class: Attention}}
+  replace: {{op: attention.{attention}, kwargs: {attention_kwargs}}}
+- match: {{class: Indexer}}
+  replace: {{op: indexer.{indexer}}}
+""")
+    return load_rules(path)
+
+
+@pytest.mark.parametrize("device", ON)
+@pytest.mark.parametrize("offload", [False, True], ids=["plain", "tiered"])
+def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
+    """60 teacher-forced steps from position 40 cross the buckets 64 and 128 (the keys read up to the bucket,
+    masked past the position); the tiered cache's hot buffer (24 rows) is far smaller than the context."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    kwargs = "{kv_offload: true, hot_budget: 4608, window: 4}" if offload else "{}"
+    model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", device, kwargs))
+    prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(5)).to(device)
+    tokens = torch.randint(4, 320, (60,), generator=torch.Generator().manual_seed(6)).tolist()
+    eager, pieces = model.new_cache(128), model.new_cache(128)
+    model(prompt, eager)
+    model(prompt, pieces)
+    graphs = DecodeGraphs(model, pieces, capture=device == "cuda", min_bucket=16)
+    for token in tokens:
+        want = model(torch.tensor([token], device=device), eager)[-1]
+        got = graphs.step(token)
+        assert rel_err(got, want) < 1e-5 and got.argmax() == want.argmax()
+    assert sorted(graphs.buckets) == [64, 128] and pieces.length == eager.length == 100
+    assert graphs.steps == 60 and graphs.seconds["experts"] > 0
+    if offload:
+        assert pieces.offload_stats()["misses"] > 0
+
+
+def test_only_cpu_experts_on_a_gpu_model_decode_from_graphs(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", "cpu"))
+    assert "not on a GPU" in unsupported(model)
+    assert Engine(model).use_graphs is False
+
+
+@pytest.mark.gpu
+def test_engine_decodes_the_same_tokens_from_graphs(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", "cuda"))
+    prompt = list(range(10, 50))
+    results = []
+    for graphs in (False, True):
+        engine = Engine(model, max_seq_len=256, cuda_graphs=graphs)
+        engine.stop_ids = set()
+        results.append(engine.generate(prompt, 40).output_ids)
+        assert (engine.graphs is not None) == graphs
+    assert results[0] == results[1]
