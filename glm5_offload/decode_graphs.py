@@ -109,11 +109,14 @@ class DecodeGraphs:
                 fn(state)
         elif piece.steps:
             main = torch.cuda.current_stream()
+            inputs = dict(state)
             self.stream.wait_stream(main)
             with torch.cuda.stream(self.stream):  # the warm-up: kernels compiled, workspaces allocated
                 for fn in piece.steps:
                     fn(state)
             main.wait_stream(self.stream)
+            state.clear()
+            state.update(inputs)  # the capture reads the previous pieces' static outputs, not the warm-up's
             piece.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(piece.graph, pool=self.pool, stream=self.stream):
                 for fn in piece.steps:

@@ -93,11 +93,11 @@ class TieredLatent:
         gather_rows(rows, torch.arange(S, device=self.device), self.host, positions)
         leaving = positions - W  # these tokens leave the window (unless since moved to an LRU slot)
         slot = self.slot_of[torch.where(leaving >= 0, leaving, -1)]  # -1: the dummy token, slot -1
-        self.slot_of[torch.where((slot >= 0) & (slot < W), leaving, -1)] = -1
+        self.slot_of.index_fill_(0, torch.where((slot >= 0) & (slot < W), leaving, -1), -1)
         kept = positions > positions[-1] - W  # the chunk's last W rows stay hot
         self.hot[torch.where(kept, positions % W, self.hot.shape[0] - 1)] = rows  # the rest into the dummy slot
         self.slot_of[torch.where(kept, positions, -1)] = torch.where(kept, positions % W, -1)
-        self.slot_of[-1] = -1
+        self.slot_of[-1:].fill_(-1)  # (scalars are written by kernels: a CUDA graph may capture this)
 
     def fetch(self, indices: torch.Tensor, below, window_from):
         """Make the rows of indices [S, K] (< below; -1 = none) hot. Window rows of tokens < window_from count
@@ -115,11 +115,11 @@ class TieredLatent:
         victims = self.stamp[: self.lru].topk(t.numel(), largest=False).indices  # the least recently used
         lru_slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)], self.lru)
         evicted = self.token_of[lru_slot]
-        self.slot_of[evicted] = -1  # evicted = -1 for the dummy slot: the dummy token stays -1
+        self.slot_of.index_fill_(0, evicted, -1)  # evicted = -1 for the dummy slot: the dummy token stays -1
         self.slot_of[torch.where(miss, t, -1)] = lru_slot + self.window
-        self.slot_of[-1] = -1
+        self.slot_of[-1:].fill_(-1)
         self.token_of[lru_slot] = t
-        self.token_of[-1] = -1
+        self.token_of[-1:].fill_(-1)
         self.stamp[lru_slot] = self.step
         gather_rows(self.host, torch.where(miss, t, -1), self.hot, lru_slot + self.window)
         self.hits += hit.sum()
