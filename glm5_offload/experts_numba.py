@@ -14,6 +14,7 @@ are dequantised to the compute dtype (kernels/experts_triton.py) and multiply th
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -147,7 +148,9 @@ class NumbaExperts(nn.Module):
         if key in self._read:
             self._read[key].synchronize()
         buf = self._buffer(key, array.shape, torch.from_numpy(np.empty(0, array.dtype)).dtype)
-        moe_cpu.parallel_copy(array.reshape(array.shape[0], -1), buf.numpy().reshape(array.shape[0], -1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
+            buf.copy_(torch.from_numpy(array))  # torch's threaded copy: 74 GB/s on the H200 host
         on_device = buf.to(device, non_blocking=True)
         self._read[key] = torch.cuda.Event()
         self._read[key].record()

@@ -459,13 +459,6 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                     out[pair_token[p], r] += pair_weight[p] * dots[p]
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def parallel_copy(src, dst):
-    """dst[:] = src for 2-D arrays of one shape, rows spread over the cores (page cache -> pinned memory)."""
-    for r in prange(src.shape[0]):
-        dst[r] = src[r]
-
-
 def group_by_expert(ids: np.ndarray, weights: np.ndarray):
     """ids/weights [T, k] -> pair_token, pair_weight, expert_ids, expert_start (see moe_layer)."""
     flat = ids.reshape(-1)

@@ -157,12 +157,3 @@ print("ok")
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
-
-
-def test_parallel_copy_copies_every_row(tmp_path):
-    """The copy that stages memory-mapped expert weights into pinned buffers (experts.numba, gpu_tokens)."""
-    src = np.lib.format.open_memmap(tmp_path / "w.npy", mode="w+", dtype=np.uint8, shape=(37, 300))
-    src[:] = np.random.default_rng(0).integers(0, 256, src.shape, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    moe_cpu.parallel_copy(np.load(tmp_path / "w.npy", mmap_mode="r"), dst)
-    assert np.array_equal(dst, src)
