@@ -67,8 +67,10 @@ class DecodeGraphs:
         self.buckets: dict[int, tuple[list[Piece], dict]] = {}  # bucket -> its pieces and their state
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.stream = torch.cuda.Stream(device) if capture else None  # warm-ups and captures run on it
-        self.seconds = {"steps": 0.0, "experts": 0.0, "wait": 0.0}  # host time: whole steps, CPU experts, waits
-        self.steps = 0
+        # host time of the replayed steps (capture steps are left out): whole steps, CPU experts, GPU waits
+        self.seconds = {"steps": 0.0, "experts": 0.0, "wait": 0.0}
+        self.steps = 0  # replayed steps
+        self._step_seconds = {"experts": 0.0, "wait": 0.0}
 
     def bucket(self, end: int) -> int:
         return min(max(self.min_bucket, 1 << (end - 1).bit_length()), self.cache.max_seq_len)
@@ -83,7 +85,9 @@ class DecodeGraphs:
         self.token.fill_(token)
         self.positions.fill_(position)
         bucket = self.bucket(position + 1)
-        if bucket in self.buckets:
+        self._step_seconds = {"experts": 0.0, "wait": 0.0}
+        replayed = bucket in self.buckets
+        if replayed:
             pieces, state = self.buckets[bucket]
             for piece in pieces:
                 self._run(piece, state, replay=True)
@@ -93,8 +97,11 @@ class DecodeGraphs:
                 self._run(piece, state, replay=False)
             self.buckets[bucket] = pieces, state
         cache.length = position + 1
-        self.seconds["steps"] += time.perf_counter() - t0
-        self.steps += 1
+        if replayed:
+            self.seconds["steps"] += time.perf_counter() - t0
+            for name, seconds in self._step_seconds.items():
+                self.seconds[name] += seconds
+            self.steps += 1
         return state["logits"][0]
 
     def _run(self, piece: Piece, state: dict, replay: bool):
@@ -128,8 +135,8 @@ class DecodeGraphs:
                 ready.synchronize()
             t1 = time.perf_counter()
             piece.experts.compute_host(self.x_host, self.ids_host, self.w_host, self.out_host)
-            self.seconds["wait"] += t1 - t0
-            self.seconds["experts"] += time.perf_counter() - t1
+            self._step_seconds["wait"] += t1 - t0
+            self._step_seconds["experts"] += time.perf_counter() - t1
 
     def _pieces(self, bucket: int) -> list[Piece]:
         """The step's GPU work cut at each layer's CPU experts."""

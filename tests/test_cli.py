@@ -126,6 +126,7 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     split = r["split_ms_per_token"]
     assert set(split) == {"attention", "experts", "transfers", "other"} and split["attention"] > 0
     assert split["experts"] > 0 and split["transfers"] == 0  # all on the CPU: nothing crosses to a GPU
+    assert r["split_prefilled_tokens"] == 1  # the split run decodes from the cache, it does not prefill
     assert r["cuda_graphs"] is False and r["graph_split_ms_per_token"] is None  # no GPU: eager decode
     assert "decode step, eager, per token" in table and "eager)" in table and "peak memory" in table
 

@@ -47,7 +47,7 @@ def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
         got = graphs.step(token)
         assert rel_err(got, want) < 1e-5 and got.argmax() == want.argmax()
     assert sorted(graphs.buckets) == [64, 128] and pieces.length == eager.length == 100
-    assert graphs.steps == 60 and graphs.seconds["experts"] > 0
+    assert graphs.steps == 58 and graphs.seconds["experts"] > 0  # the two buckets' first steps are not counted
     if offload:
         assert pieces.offload_stats()["misses"] > 0
 
