@@ -16,10 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 import bench_experts
 import bench_peer
+import torch
+
 from glm5_offload.benchmark import format_table, run_benchmark
 from glm5_offload.config import load_config
 from glm5_offload.engine import Engine
