@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -221,7 +223,9 @@ def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False,
               preset: str | None = None, layers: int = 4) -> Path:
     """Write a random checkpoint into out_dir (built in a temporary folder, then moved): the tiny config of
     `arch`, or with `preset` a published config's real dims cut to `layers` layers. One shard per layer,
-    generated and written a layer at a time (a GLM-5 MoE layer is 19 GB in bf16, 9.7 GB in FP8)."""
+    generated and written a layer at a time (a GLM-5 MoE layer is 19 GB in bf16, 9.7 GB in FP8). The tiny
+    checkpoints draw every tensor from one seeded stream, in order; a preset's tensors each from a stream
+    seeded by the seed and the tensor's name, on every core (one stream would take minutes per layer)."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -239,9 +243,14 @@ def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False,
         weight_map, total = {}, 0
         for i, names in enumerate(tqdm(groups, desc="writing layers", unit="layer", disable=None if preset else True)):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            tensors = {}
-            for name in names:
-                tensors.update(stored(name, random_tensor(name, shapes[name], gen), fp8))
+            if preset is None:
+                weights = [stored(name, random_tensor(name, shapes[name], gen), fp8) for name in names]
+            else:
+                with ThreadPoolExecutor(os.cpu_count()) as pool:
+                    weights = list(pool.map(lambda name: stored(name, random_tensor(
+                        name, shapes[name], torch.Generator().manual_seed(seed << 32 | zlib.crc32(name.encode()))), fp8),
+                        names))
+            tensors = {k: v for weight in weights for k, v in weight.items()}
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.element_size() for t in tensors.values())

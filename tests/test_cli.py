@@ -155,3 +155,7 @@ def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP", "MoE", "MoE"]
     logits = model(torch.arange(5, 25), model.new_cache(32))
     assert logits.shape == (20, 1024) and torch.isfinite(logits).all()
+    again = tmp_path / "again"  # each tensor from its own seeded stream, on several threads: the same bytes
+    glm5("make-tiny", again, "--preset", tmp_path / "preset" / "config.json", "--layers", "3", "--fp8")
+    for shard in out.glob("*.safetensors"):
+        assert (again / shard.name).read_bytes() == shard.read_bytes()
