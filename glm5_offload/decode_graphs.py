@@ -40,6 +40,9 @@ def unsupported(model: CausalLM) -> str | None:
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, NumbaExperts):
             return f"layer {i}'s routed experts are not experts.numba (only CPU experts are cut out of the graphs)"
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device != model.device:  # a copy between devices inside a piece would need the host
+            return f"{name} is on {t.device}, not on the residual stream's {model.device}"
     return None
 
 

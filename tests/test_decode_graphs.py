@@ -71,3 +71,15 @@ def test_engine_decodes_the_same_tokens_from_graphs(hf_checkpoint, tmp_path):
         results.append(engine.generate(prompt, 40).output_ids)
         assert (engine.graphs is not None) == graphs
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+def test_a_module_off_the_gpu_keeps_decode_eager(hf_checkpoint, tmp_path):
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    rules = tmp_path / "rules.yaml"
+    cpu_expert_rules(rules, "cuda")
+    rules.write_text(rules.read_text() + "- match: {class: Router}\n  replace: {op: router.reference, device: cpu}\n")
+    model = load_model(path, dtype=torch.float32, rules=load_rules(rules))
+    assert "mlp.gate" in unsupported(model) and Engine(model).use_graphs is False
+    engine = Engine(model, max_seq_len=128)
+    assert len(engine.generate(list(range(10, 30)), 4).output_ids) == 4
