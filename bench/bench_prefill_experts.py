@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import bench_experts
 import ceilings
@@ -30,6 +31,8 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--chunks", default="64,256,1024,4096")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the GPU path on the last chunk (torch.profiler: host and GPU time per op)")
     args = parser.parse_args(argv)
     v13, s13, v2, s2 = bench_experts.random_layer(args.format, EXPERTS, args.group)
     experts = NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, args.format, args.group, args.threads)
@@ -50,7 +53,8 @@ def main(argv=None):
         print(f"host copy of an expert's w13 into pinned memory: {host_copy:.1f} GB/s", flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    for tokens in map(int, args.chunks.split(",")):
+    chunks = [int(c) for c in args.chunks.split(",")]
+    for tokens in chunks:
         x = torch.from_numpy(rng.standard_normal((tokens, HIDDEN), np.float32))
         ids = torch.from_numpy(np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(tokens)]))
         w = torch.from_numpy(rng.random((tokens, TOP_K), np.float32))
@@ -69,6 +73,12 @@ def main(argv=None):
             gpu_s = time.perf_counter() - t0
             moved = sum(a[e].nbytes for e in ids.unique().tolist() for a in (v13, s13, v2, s2) if a.ndim == 3)
             row.update(gpu_ms=gpu_s * 1e3, streamed_gb_s=moved / gpu_s / 1e9, of_h2d=moved / gpu_s / 1e9 / h2d)
+            if args.profile and tokens == chunks[-1]:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    experts.on_device(xg, idg, wg)
+                    torch.cuda.synchronize()
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
         rows.append(row)
         print(json.dumps(row), flush=True)
     crossover = next((r["tokens"] for r in rows if "gpu_ms" in r and r["gpu_ms"] < r["cpu_ms"]), None)
