@@ -63,12 +63,14 @@ def test_only_cpu_experts_on_a_gpu_model_decode_from_graphs(hf_checkpoint, tmp_p
 def test_engine_decodes_the_same_tokens_from_graphs(hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint("glm_moe_dsa")
     model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", "cuda"))
-    prompt = list(range(10, 50))
+    first = list(range(10, 50))
     results = []
     for graphs in (False, True):
         engine = Engine(model, max_seq_len=256, cuda_graphs=graphs)
         engine.stop_ids = set()
-        results.append(engine.generate(prompt, 40).output_ids)
+        out = engine.generate(first, 40).output_ids
+        second = first + out[:20] + list(range(60, 70))  # a chat's next turn: the cache rewinds to a prefix
+        results.append((out, engine.generate(second, 30).output_ids))
         assert (engine.graphs is not None) == graphs
     assert results[0] == results[1]
 
