@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 import ceilings
 from glm5_offload.config import load_config
@@ -30,28 +29,16 @@ from glm5_offload.model import build_model
 from glm5_offload.planner import make_plan
 from glm5_offload.rules import load_rules, place
 from glm5_offload.tiered_kv import gather_rows_triton
+from glm5_offload.tiny import make_tiny
 
 GPU_CAP = 24 << 30
-PRESETS = Path(__file__).resolve().parent.parent / "glm5_offload" / "presets"
 
 
 def write_checkpoint(path: Path) -> Path:
-    """GLM-5.2's config cut to two layers and a 4096-token vocabulary, random bf16 weights."""
-    config = json.loads((PRESETS / "glm-5.2.json").read_text())
-    config.update(num_hidden_layers=2, indexer_types=["full", "shared"], vocab_size=4096)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    g = torch.Generator().manual_seed(0)
-    tensors = {}
-    for name, t in build_model(load_config(path)).state_dict().items():
-        if name.endswith(("norm.weight", "layernorm.weight", "k_norm.weight")):
-            tensors[name] = torch.ones(t.shape, dtype=torch.bfloat16)
-        elif name.endswith("bias"):
-            tensors[name] = torch.zeros(t.shape, dtype=torch.bfloat16)
-        else:
-            tensors[name] = (torch.randn(t.shape, generator=g) * t.shape[-1] ** -0.5).bfloat16()
-    save_file(tensors, path / "model.safetensors")
-    return path
+    """GLM-5.2's config cut to two dense layers (one full, one sharing its indexer) and a 4096-token
+    vocabulary, random bf16 weights."""
+    return make_tiny(path, preset="glm-5.2", layers=2,
+                     overrides={"first_k_dense_replace": 2, "indexer_types": ["full", "shared"], "vocab_size": 4096})
 
 
 def rules_file(path: Path, kv_dtype: str, offload: bool = True, hot_budget: str = "256MiB") -> Path:

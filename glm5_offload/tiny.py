@@ -183,9 +183,9 @@ def layer_groups(names: list[str]) -> list[list[str]]:
     return groups
 
 
-def shaped_config(preset: str, layers: int) -> dict:
+def shaped_config(preset: str, layers: int, overrides: dict | None = None) -> dict:
     """A published config (a preset name or config.json path) with its real dims, cut to `layers` layers (the
-    first dense, the rest MoE) and the tiny tokenizer's vocabulary."""
+    first dense, the rest MoE) and the tiny tokenizer's vocabulary; then `overrides` (config.json keys)."""
     from .config import load_config
 
     path = Path(load_config(preset).path)
@@ -195,6 +195,7 @@ def shaped_config(preset: str, layers: int) -> dict:
     config.update(num_hidden_layers=layers, first_k_dense_replace=1, vocab_size=VOCAB_SIZE, eos_token_id=[SPECIAL_TOKENS.index(t) for t in EOS_TOKENS], pad_token_id=0)
     for key in ("quantization_config", "mlp_layer_types", "indexer_types", "index_topk_pattern"):
         config.pop(key, None)  # per-layer lists no longer fit; FP8 is the fp8 flag's to say
+    config.update(overrides or {})
     return config
 
 
@@ -220,16 +221,17 @@ def save_tokenizer(out_dir: Path):
 
 
 def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False, seed: int = 0,
-              preset: str | None = None, layers: int = 4) -> Path:
+              preset: str | None = None, layers: int = 4, overrides: dict | None = None) -> Path:
     """Write a random checkpoint into out_dir (built in a temporary folder, then moved): the tiny config of
-    `arch`, or with `preset` a published config's real dims cut to `layers` layers. One shard per layer,
+    `arch`, or with `preset` a published config's real dims cut to `layers` layers (`overrides`: config.json
+    keys set after the cut, e.g. which layers are dense or share an indexer). One shard per layer,
     generated and written a layer at a time (a GLM-5 MoE layer is 19 GB in bf16, 9.7 GB in FP8). The tiny
     checkpoints draw every tensor from one seeded stream, in order; a preset's tensors each from a stream
     seeded by the seed and the tensor's name, on every core (one stream would take minutes per layer)."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
-    config = tiny_config(arch) if preset is None else shaped_config(preset, layers)
+    config = tiny_config(arch) if preset is None else shaped_config(preset, layers, overrides)
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}

@@ -141,6 +141,8 @@ def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
     assert (real["hidden_size"], real["n_routed_experts"], real["moe_intermediate_size"], real["index_head_dim"],
             real["num_hidden_layers"], real["first_k_dense_replace"], real["vocab_size"]) == (
                6144, 256, 2048, 128, 4, 1, 1024)
+    bench = shaped_config("glm-5.2", 2, {"first_k_dense_replace": 2, "indexer_types": ["full", "shared"]})  # bench_tiered's
+    assert (bench["first_k_dense_replace"], bench["indexer_types"], bench["hidden_size"]) == (2, ["full", "shared"], 6144)
     small = {**tiny_config(), "hidden_size": 192, "n_routed_experts": 12}
     (tmp_path / "preset").mkdir()
     (tmp_path / "preset" / "config.json").write_text(json.dumps(small))
