@@ -37,10 +37,8 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
     graph_split = None
     if graphs is not None:
         n = graphs.steps - steps
-        parts = {k: (graphs.seconds[k] - seconds[k]) / n for k in graphs.seconds}
-        graph_split = {"experts": parts["experts"], "gpu wait": parts["wait"],
-                       "other": parts["steps"] - parts["experts"] - parts["wait"]}
-        graph_split = {k: v * 1e3 for k, v in graph_split.items()}
+        ms = {k: (graphs.seconds[k] - seconds[k]) / n * 1e3 for k in graphs.seconds}
+        graph_split = {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
     with Timeline() as timeline:
         # what the cache holds (the second run's tokens: re-feeding position context-1 alone may change the
         # greedy tokens of a random model), so all but one token are cached and no new shape compiles here

@@ -115,11 +115,11 @@ class Engine:
             if self.graphs is None:
                 self.graphs = DecodeGraphs(self.model, self.cache)
             logits = self.graphs.step(ids[0])
-            self.cache_ids.extend(ids)
-            return logits
-        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.model.device), self.cache, logits_for="last")
+        else:
+            tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+            logits = self.model(tokens, self.cache, logits_for="last")[-1]
         self.cache_ids.extend(ids)
-        return logits[-1]
+        return logits
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Run ids through the model in chunks (a progress bar when there are several); the last logits."""
