@@ -8,7 +8,8 @@ bench`'s measurement (benchmark.run_benchmark); with --peer, transformers on the
 (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
 projection to GLM-5 and GLM-5.2: the measured decode step scaled by their MoE layers (the whole step is
 counted per MoE layer, which also charges it the dense layers, embedding and head: conservative), next to
-the host-bandwidth bound (the active experts' bytes per token in the placement's format / read bandwidth).
+the host-bandwidth bound (the active experts' bytes per token in the placement's format / read bandwidth);
+and the last context's prefill, from its synchronised split, per layer kind (prefill_projection).
 """
 
 import argparse
@@ -67,6 +68,24 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
     return rows
 
 
+def prefill_projection(result: dict, config) -> list[dict]:
+    """The measured context's prefill (its synchronised split) scaled per layer kind to GLM-5 and GLM-5.2: the
+    indexer per full layer, the rest of attention and the unmarked work per layer, the experts (and their
+    transfers) per MoE layer."""
+    split = result["prefill_split_s"]
+    indexer_per_full = split["of which indexer"] / config.indexer_types.count("full")
+    rest_per_layer = (split["attention"] - split["of which indexer"] + split["other"]) / config.num_hidden_layers
+    experts_per_moe = (split["experts"] + split["transfers"]) / len(config.moe_layers)
+    rows = []
+    for target in TARGETS:
+        t = load_config(target)
+        parts = {"indexer": t.indexer_types.count("full") * indexer_per_full,
+                 "rest": t.num_hidden_layers * rest_per_layer, "experts": len(t.moe_layers) * experts_per_moe}
+        rows.append({"target": target, "context": result["context"], "parts_s": parts,
+                     "projected_prefill_s": sum(parts.values())})
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True, help="the checkpoint (written here with make-tiny if absent)")
@@ -108,9 +127,17 @@ def main(argv=None):
         bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
         print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | {p['projected_ms_per_token']:.0f} | "
               f"{p['projected_tok_s']:.2f} | {bound} |")
+    prefill_rows = prefill_projection(results[-1], config)
+    print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of {args.prefill_chunk})")
+    print("| model | context | indexer s | rest of attention and other s | experts s | projected prefill |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for p in prefill_rows:
+        parts = p["parts_s"]
+        print(f"| {p['target']} | {p['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | {parts['experts']:.0f} | "
+              f"{p['projected_prefill_s']:.0f} s ({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "peers": peers, "read_gb_s": read_gb_s,
-                                               "projection": rows}, indent=1))
+                                               "projection": rows, "prefill_projection": prefill_rows}, indent=1))
     return results
 
 

@@ -7,15 +7,15 @@ CPU once per layer through pinned buffers: begin() queues that copy, the MoE blo
 shared expert on the GPU, and finish() waits for the copy alone (the one synchronisation), runs the
 experts on every core while the GPU works, and queues the result's copy back. From `gpu_tokens` tokens
 up (long prefill chunks), the layer runs on the GPU instead: each active expert's packed weights stream
-there through pinned buffers (double-buffered, the next expert's copy under the current one's matmuls),
-are dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens.
+there (expert_ring.py: a copy stream several experts ahead of the matmuls), are dequantised to the
+compute dtype (kernels/experts_triton.py) and multiply their tokens.
 """
 
 import hashlib
 import json
 import os
-import warnings
 from dataclasses import dataclass
+from collections.abc import Iterable
 from itertools import accumulate
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from . import cache_dir
 from .errors import Glm5Error
+from .expert_ring import DEPTH, ExpertRing
 from .kernels import experts_triton, moe_cpu
 from .model import Experts
 from .operators import Operator, is_positive_int
@@ -122,7 +123,6 @@ class NumbaExperts(nn.Module):
         self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
         self._pinned: dict[str, torch.Tensor] = {}
-        self._read: dict[str, torch.cuda.Event] = {}  # pinned staging buffer -> its last copy to the GPU
 
     def extra_repr(self) -> str:
         return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
@@ -139,46 +139,46 @@ class NumbaExperts(nn.Module):
             self._pinned[name] = buf
         return buf[: shape[0]]
 
-    def _staged(self, name: str, array: np.ndarray, device: torch.device, slot: int) -> torch.Tensor:
-        """One expert's array on device: through pinned buffer `slot` (of two per array) for a GPU, once the copy
-        that last read that buffer is done."""
-        if device.type == "cpu":
-            return torch.from_numpy(np.array(array))
-        key = f"{name}.{slot}"
-        if key in self._read:
-            self._read[key].synchronize()
-        buf = self._buffer(key, array.shape, torch.from_numpy(np.empty(0, array.dtype)).dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
-            buf.copy_(torch.from_numpy(array))  # torch's threaded copy: 74 GB/s on the H200 host
-        on_device = buf.to(device, non_blocking=True)
-        self._read[key] = torch.cuda.Event()
-        self._read[key].record()
-        return on_device
+    def _on_device(self, experts: Iterable[int], device: torch.device):
+        """Yield (e, expert e's packed arrays on device) for each e: through the GPU's ExpertRing, or as copies.
+        Either way `experts` is drawn at least DEPTH items ahead (to its end if shorter) before the first yield."""
+        names = ("w13", "w2") if self.fmt == "bf16" else ("w13", "s13", "w2", "s2")  # bf16 has no scales
+        arrays = {n: getattr(self, n) for n in names}
+        if device.type == "cuda":
+            yield from ExpertRing.on(device, arrays).stream(arrays, experts)
+        else:
+            yield from ((e, {n: torch.from_numpy(np.array(a[e])) for n, a in arrays.items()}) for e in list(experts))
 
-    def _matrix(self, which: str, e: int, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
-        """Expert e's w13 ([2I, H]) or w2 ([H, I]) on device in dtype."""
-        values, scales = (self.w13, self.s13) if which == "w13" else (self.w2, self.s2)
-        v = self._staged(which, values[e], device, slot)
+    def _matrix(self, packed: dict[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
+        """An expert's w13 ([2I, H]) or w2 ([H, I]) in dtype, from its packed arrays on the device."""
         if self.fmt == "bf16":
-            return v.view(torch.bfloat16).to(dtype)
-        return experts_triton.dequantize(v, self._staged(which + "s", scales[e], device, slot), self.fmt, self.group,
+            return packed[which].view(torch.bfloat16).to(dtype)
+        return experts_triton.dequantize(packed[which], packed[which.replace("w", "s")], self.fmt, self.group,
                                          dtype=dtype)
 
     def on_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts computed on x's device in x's dtype (x [T, H], ids/weights [T, k])."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         inter, k = self.w13.shape[1] // 2, ids.shape[1]
+        n_experts, counts, starts = self.w13.shape[0], [], [0]
+        ahead = min(DEPTH - 1, n_experts)
+
+        def wanted():  # ascending; the first few before the host sync, so their copies run under the GPU's queue
+            yield from range(ahead)
+            counts.extend(torch.bincount(ids.flatten(), minlength=n_experts).tolist())  # the one host sync
+            starts.extend(accumulate(counts))
+            yield from (e for e in range(ahead, n_experts) if counts[e])
+
         with span("experts", x.device):
             order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
-            counts = torch.bincount(ids.flatten(), minlength=self.w13.shape[0]).tolist()  # the one host sync
-            starts = [0, *accumulate(counts)]
-            for n, e in enumerate(e for e, c in enumerate(counts) if c):
+            for e, packed in self._on_device(wanted(), x.device):
+                if not counts[e]:  # one of the first few, not routed to
+                    continue
                 pairs = order[starts[e] : starts[e + 1]]
                 rows, slot = pairs // k, pairs % k
-                gu = x[rows] @ self._matrix("w13", e, x.dtype, x.device, n % 2).T
+                gu = x[rows] @ self._matrix(packed, "w13", x.dtype).T
                 act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-                y = act @ self._matrix("w2", e, x.dtype, x.device, n % 2).T
+                y = act @ self._matrix(packed, "w2", x.dtype).T
                 out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
         return out.to(x.dtype)
 

@@ -272,7 +272,8 @@ class Attention(nn.Module):
         cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:
-            indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
+            with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
+                indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
         else:
             indices = shared_indices
         latent, rows = cache.rows_for(self.layer, indices.to(x.device), positions, end)

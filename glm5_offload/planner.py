@@ -13,6 +13,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import Glm5Error
+from .expert_ring import DEPTH
 from .kv_cache import fp8_row_width, latent_layout
 from .model import _SCORE_BUDGET, Attention, Experts, Indexer
 from .operators import DTYPE_FORMATS
@@ -172,6 +173,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
 
     key_kinds = set()
     activation_bytes = 4  # temporaries are fp32 at worst
+    streamed: dict[str, int] = {}  # GPU -> its expert ring (expert_ring.py) and one expert dequantised there
     staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
     latent_kinds = set()
     for slot in placement.slots.values():
@@ -201,6 +203,14 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
         elif isinstance(slot.module, Experts):
             d.workspace = max(d.workspace, prefill_chunk * config.moe_intermediate_size * 3 * activation_bytes)
+            gate = placement.slots.get(slot.name.rpartition(".")[0] + ".gate")
+            if slot.kwargs.get("gpu_tokens") and gate is not None and gate.device != slot.device:
+                one_expert = 3 * config.hidden_size * config.moe_intermediate_size
+                ring = DEPTH * expert_bytes(one_expert, slot.op.format(slot.kwargs, dtype).split("/")[0],
+                                            slot.kwargs.get("group_size", 128))
+                streamed[gate.device] = max(streamed.get(gate.device, 0), ring + one_expert * dtype.itemsize)
+    for device, nbytes in streamed.items():  # long prefill chunks' experts: the ring stays, all layers share it
+        devices[device].workspace += nbytes
     for device, row in staging.items():
         devices[device].latent_kv += row * max_seq_len
         devices[device].per_token += row

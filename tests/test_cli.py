@@ -128,7 +128,10 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     assert split["experts"] > 0 and split["transfers"] == 0  # all on the CPU: nothing crosses to a GPU
     assert r["split_prefilled_tokens"] == 1  # the split run decodes from the cache, it does not prefill
     assert r["cuda_graphs"] is False and r["graph_split_ms_per_token"] is None  # no GPU: eager decode
-    assert "decode step, eager, per token" in table and "eager)" in table and "peak memory" in table
+    prefill = r["prefill_split_s"]  # the context prefilled afresh: the indexer is a part of attention
+    assert set(prefill) == {"attention", "experts", "transfers", "other", "of which indexer"}
+    assert 0 < prefill["of which indexer"] < prefill["attention"] and prefill["experts"] > 0
+    assert "decode step, eager, per token" in table and "of which indexer" in table and "eager)" in table and "peak memory" in table
 
 
 def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):

@@ -8,6 +8,7 @@ import torch
 
 from glm5_offload import experts_numba
 from glm5_offload.errors import Glm5Error
+from glm5_offload.expert_ring import DEPTH
 from glm5_offload.experts_numba import NumbaExperts
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.loader import load_model
@@ -181,19 +182,23 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 32), ("int4", 64)])
 def test_experts_on_the_device_equal_the_reference(fmt, group):
     """Long prefill chunks: the layer computed where x lives, each expert's weights dequantised by the Triton
-    kernel (on the CPU: its interpreter), against moe_reference on the same quantised weights (fp32)."""
-    E, H, I = 6, 128, 64
+    kernel (on the CPU: its interpreter), against moe_reference on the same quantised weights (fp32). Two layers
+    in turn, with more active experts than the GPU's ring holds (expert_ring.DEPTH): they share its slots."""
+    E, H, I, T, K = 3 * DEPTH, 128, 64, 16, 4
     g = torch.Generator().manual_seed(7)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
-    (v13, s13), (v2, s2) = moe_cpu.quantize(w13, fmt, group), moe_cpu.quantize(w2, fmt, group)
-    experts = NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, fmt, group, threads=2, gpu_tokens=4)
-    x = torch.randn(9, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(9)])
-    weights = torch.rand(9, 3, generator=g)
-    got = experts.on_device(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)).cpu()
-    ref = moe_cpu.moe_reference(x, moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group),
-                                ids, weights)
-    assert rel_err(got, ref) < 1e-5
+    layers = []
+    for _ in range(2):
+        w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
+        (v13, s13), (v2, s2) = moe_cpu.quantize(w13, fmt, group), moe_cpu.quantize(w2, fmt, group)
+        layers.append((NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, fmt, group, threads=2, gpu_tokens=4),
+                       moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group)))
+    for experts, w13, w2 in (layers[0], layers[1], layers[0]):
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        assert ids.unique().numel() > DEPTH
+        weights = torch.rand(T, K, generator=g)
+        got = experts.on_device(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)).cpu()
+        assert rel_err(got, moe_cpu.moe_reference(x, w13, w2, ids, weights)) < 1e-5
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import torch
 
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
+from glm5_offload.expert_ring import DEPTH
 from glm5_offload.loader import PlanError, load_model
 from glm5_offload.model import build_model
 from glm5_offload.planner import active_expert_weights, make_plan, parse_size
@@ -66,6 +67,8 @@ def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
     assert cuda.indexer_keys == 21 * 132 * 1_000_000
     assert p.kv_dtypes == ["fp8"] and p.fits
     assert cuda.per_token == 78 * 8 + 656 + 21 * 132 and cpu.per_token == 78 * 656
+    expert = 3 * 6144 * 2048  # gpu_tokens: the ring of DEPTH int4 experts, one expert dequantised to bf16
+    assert cuda.workspace == 3 * 2**26 * 4 + DEPTH * (expert // 2 + expert // 128 * 4) + expert * 2
 
 
 def test_glm5_fp8_at_200k_tokens():
