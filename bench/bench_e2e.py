@@ -1,19 +1,21 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
-    PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2] [--rules glm5-1m]
-        [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384] [--peer all,offload] [--json FILE]
+    PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
+        [--rules glm5-1m] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384] [--peer all,offload]
+        [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
 bench`'s measurement (benchmark.run_benchmark); with --peer, transformers on the same checkpoint
 (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
-projection to GLM-5 and GLM-5.2: the measured decode step scaled by their MoE layers (the whole step is
-counted per MoE layer, which also charges it the dense layers, embedding and head: conservative), next to
-the host-bandwidth bound (the active experts' bytes per token in the placement's format / read bandwidth);
-and the last context's prefill, from its synchronised split, per layer kind (prefill_projection).
-"""
+projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer (their difference)
+times the targets' MoE layers plus the fixed rest; with one, the whole measured step per MoE layer (which
+also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
+active experts' bytes per token in the placement's format / read bandwidth); and the first checkpoint's
+last-context prefill, from its synchronised split, per layer kind (prefill_projection)."""
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,7 +26,8 @@ import torch
 from glm5_offload.benchmark import format_table, run_benchmark
 from glm5_offload.config import load_config
 from glm5_offload.engine import Engine
-from glm5_offload.experts_numba import NumbaExperts
+from glm5_offload import cache_dir
+from glm5_offload.experts_numba import ExpertCache, NumbaExperts
 from glm5_offload.loader import load_model
 from glm5_offload.planner import active_expert_weights, expert_bytes
 from glm5_offload.rules import load_rules
@@ -53,14 +56,18 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     return result, fmt
 
 
-def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: float) -> list[dict]:
+def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: float,
+               marginal: list[dict] | None = None) -> list[dict]:
+    """Decode per token of each target: the fixed part plus its MoE layers times one MoE layer's step where two
+    layer counts were measured (marginal_layer), else the whole measured step per MoE layer (conservative)."""
     rows = []
     for target in TARGETS:
         config = load_config(target)
         moe = len(config.moe_layers)
         bound_ms = None if fmt is None else expert_bytes(active_expert_weights(config), *fmt) / read_gb_s / 1e6
-        for r in results:
-            ms = r["decode_ms_per_token"] * moe / measured_moe
+        for i, r in enumerate(results):
+            ms = (marginal[i]["fixed_ms"] + moe * marginal[i]["moe_layer_ms"] if marginal
+                  else r["decode_ms_per_token"] * moe / measured_moe)
             rows.append({"target": target, "context": r["context"], "measured_ms_per_token": r["decode_ms_per_token"],
                          "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
                          "bound_tok_s": None if bound_ms is None else 1e3 / bound_ms,
@@ -86,11 +93,31 @@ def prefill_projection(result: dict, config) -> list[dict]:
     return rows
 
 
+def marginal_layer(runs: dict[int, list[dict]], moe: dict[int, int]) -> list[dict]:
+    """From two checkpoints that differ by MoE layers (name-seeded: the smaller's tensors are the larger's
+    first layers), per context: one MoE layer's decode step time and CPU expert time (from the graph split),
+    their ratio (the overlap goal's), and the fixed rest (embedding, dense layer, head, sampling)."""
+    (a, ra), (b, rb) = sorted(runs.items())
+    rows = []
+    for x, y in zip(ra, rb):
+        step = (y["decode_ms_per_token"] - x["decode_ms_per_token"]) / (moe[b] - moe[a])
+        split_x, split_y = x["graph_split_ms_per_token"], y["graph_split_ms_per_token"]
+        experts = None if not split_x else (split_y["experts"] - split_x["experts"]) / (moe[b] - moe[a])
+        rows.append({"context": x["context"], "moe_layer_ms": step, "fixed_ms": x["decode_ms_per_token"] - moe[a] * step,
+                     "moe_layer_experts_ms": experts, "step_over_experts": None if not experts else step / experts})
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", required=True, help="the checkpoint (written here with make-tiny if absent)")
+    parser.add_argument("--dir", required=True, help="the checkpoint (written here with make-tiny if absent; with "
+                                                     "several layer counts, one in DIR/<n>-layers each)")
     parser.add_argument("--preset", default="glm-5")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", default="2", help="layer counts, e.g. 2,3: the projection then takes the "
+                                                      "measured cost of one more MoE layer (marginal_layer)")
+    parser.add_argument("--fp8", action="store_true", help="write the checkpoint with FP8 projections (half the disk)")
+    parser.add_argument("--discard", action="store_true",
+                        help="delete each checkpoint and its expert cache once measured (the disk holds one)")
     parser.add_argument("--rules", default="glm5-1m")
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -98,36 +125,53 @@ def main(argv=None):
     parser.add_argument("--peer", default="", help="transformers modes beside ours: all, offload (bench_peer.py)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
-    model_dir = Path(args.dir)
-    if not (model_dir / "config.json").is_file():
-        make_tiny(model_dir, preset=args.preset, layers=args.layers)
+    counts = [int(n) for n in args.layers.split(",")]
     rules = load_rules(args.rules)
-    results, fmt = [], None
-    for context in map(int, args.contexts.split(",")):
-        result, fmt = bench_context(model_dir, rules, context, args.new_tokens, args.prefill_chunk)
-        print(format_table(result), flush=True)
-        results.append(result)
-    config = load_config(model_dir)
-    layers, measured_moe = config.num_hidden_layers, len(config.moe_layers)
-    peers = []
-    for mode in filter(None, args.peer.split(",")):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        peer = bench_peer.run(str(model_dir), device, mode == "offload", results[0]["context"], 4)
-        ours = results[0]["decode_ms_per_token"] / layers
-        peer["our_decode_speedup_per_layer"] = peer["decode_ms_per_layer"] / ours
-        peers.append(peer)
-        print(f"transformers ({peer['mode']}), context {peer['context']}: decode {peer['decode_ms_per_layer']:.2f} "
-              f"ms/layer, ours {ours:.2f}: {peer['our_decode_speedup_per_layer']:.1f}x", flush=True)
+    runs, moe, configs, fmt, peers = {}, {}, {}, None, []
+    for n in counts:
+        model_dir = Path(args.dir) if len(counts) == 1 else Path(args.dir) / f"{n}-layers"
+        if not (model_dir / "config.json").is_file():
+            make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8)
+        config = configs[n] = load_config(model_dir)
+        runs[n], moe[n] = [], len(config.moe_layers)
+        for context in map(int, args.contexts.split(",")):
+            result, fmt = bench_context(model_dir, rules, context, args.new_tokens, args.prefill_chunk)
+            print(format_table(result), flush=True)
+            runs[n].append(result)
+        for mode in filter(None, args.peer.split(",") if n == counts[0] else []):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            peer = bench_peer.run(str(model_dir), device, mode == "offload", runs[n][0]["context"], 4)
+            ours = runs[n][0]["decode_ms_per_token"] / config.num_hidden_layers
+            peer["our_decode_speedup_per_layer"] = peer["decode_ms_per_layer"] / ours
+            peers.append(peer)
+            print(f"transformers ({peer['mode']}), context {peer['context']}: decode {peer['decode_ms_per_layer']:.2f} "
+                  f"ms/layer, ours {ours:.2f}: {peer['our_decode_speedup_per_layer']:.1f}x", flush=True)
+        if args.discard:
+            for experts in {ExpertCache(cache_dir() / "experts", model_dir, *fmt).folder} if fmt else ():
+                shutil.rmtree(experts, ignore_errors=True)
+            shutil.rmtree(model_dir)
+    results, measured_moe, layers = runs[counts[0]], moe[counts[0]], counts[0]
+    marginal = marginal_layer(runs, moe) if len(counts) == 2 else None
+    if marginal:
+        print("\none more MoE layer, from the checkpoints' difference (decode from CUDA graphs)")
+        print("| context | step ms per MoE layer | CPU experts ms | step / experts (goal <= 1.15) | fixed ms |")
+        print("| --- | --- | --- | --- | --- |")
+        for m in marginal:
+            experts = "-" if m["moe_layer_experts_ms"] is None else f"{m['moe_layer_experts_ms']:.2f}"
+            ratio = "-" if m["step_over_experts"] is None else f"{m['step_over_experts']:.2f}x"
+            print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} |")
     read_gb_s = bench_experts.read_bandwidth_gb_s()
-    rows = projection(results, measured_moe, fmt, read_gb_s)
-    print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read {read_gb_s:.0f} GB/s")
+    rows = projection(results, measured_moe, fmt, read_gb_s, marginal)
+    basis = "fixed part + one MoE layer's step per MoE layer" if marginal else "the whole step per MoE layer"
+    print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read {read_gb_s:.0f} GB/s; "
+          f"{basis}")
     print("| model | context | measured ms/token | projected ms/token | tok/s | host-BW bound tok/s | of bound |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for p in rows:
         bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
         print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | {p['projected_ms_per_token']:.0f} | "
               f"{p['projected_tok_s']:.2f} | {bound} |")
-    prefill_rows = prefill_projection(results[-1], config)
+    prefill_rows = prefill_projection(results[-1], configs[counts[0]])
     print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of {args.prefill_chunk})")
     print("| model | context | indexer s | rest of attention and other s | experts s | projected prefill |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -136,8 +180,8 @@ def main(argv=None):
         print(f"| {p['target']} | {p['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | {parts['experts']:.0f} | "
               f"{p['projected_prefill_s']:.0f} s ({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "peers": peers, "read_gb_s": read_gb_s,
-                                               "projection": rows, "prefill_projection": prefill_rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": runs, "peers": peers, "read_gb_s": read_gb_s, "marginal_layer":
+                                               marginal, "projection": rows, "prefill_projection": prefill_rows}, indent=1))
     return results
 
 

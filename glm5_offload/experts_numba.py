@@ -171,15 +171,15 @@ class NumbaExperts(nn.Module):
 
         with span("experts", x.device):
             order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+            rows, pair_weights = order // k, weights.flatten()[order, None].float()  # [P], [P, 1]
             for e, packed in self._on_device(wanted(), x.device):
                 if not counts[e]:  # one of the first few, not routed to
                     continue
-                pairs = order[starts[e] : starts[e + 1]]
-                rows, slot = pairs // k, pairs % k
-                gu = x[rows] @ self._matrix(packed, "w13", x.dtype).T
+                a, b = starts[e], starts[e + 1]
+                gu = x[rows[a:b]] @ self._matrix(packed, "w13", x.dtype).T
                 act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
                 y = act @ self._matrix(packed, "w2", x.dtype).T
-                out.index_add_(0, rows, y.float() * weights[rows, slot, None].float())
+                out.index_add_(0, rows[a:b], pair_weights[a:b] * y)
         return out.to(x.dtype)
 
     def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
