@@ -1,25 +1,24 @@
 """Routed experts streamed from host memory to a GPU ahead of their use (the long prefill chunks of experts.numba).
 
 A staging thread copies each expert's packed arrays from the memory-mapped cache into one of PINNED pinned
-buffers (in 1 MiB pieces on up to 8 threads: with one torch copy there, a GLM-5 layer streamed at only 16-18
-GB/s on the H200 host) and queues that buffer's copy to one of DEPTH device slots on a copy stream of its own, while the calling thread queues the matmuls: the compute stream waits for a slot's arrival, the copy
+buffers (torch's threaded copy) and queues that buffer's copy to one of DEPTH device slots on a copy stream of
+its own, while the calling thread queues the matmuls: the compute stream waits for a slot's arrival, the copy
 stream for the slot's release by the compute stream before it overwrites it. Up to DEPTH experts are in
 flight, so the transfers run under the matmuls of the experts before them and back to back, and the host's
 copies under the host's kernel launches. An expert's arrays lie in one block (one transfer each). One ring per
 GPU and expert shape serves every layer.
 """
 
-import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
 
 import numpy as np
 import torch
 
 DEPTH = 8  # experts on the device at once: in flight or being computed
 PINNED = 3  # host staging buffers
-_PIECE = 1 << 20  # bytes per host copy task: numpy copies without the GIL, so the copiers run in parallel
 _ALIGN = 256
 
 _rings: dict[tuple, "ExpertRing"] = {}
@@ -50,7 +49,6 @@ class ExpertRing:
         self.slot_free: list[torch.cuda.Event | None] = [None] * DEPTH  # the compute stream done with each slot
         self.staged = 0
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="expert-ring")
-        self.copiers = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="expert-ring-copy")
 
     @staticmethod
     def on(device: torch.device, arrays: dict[str, np.ndarray]) -> "ExpertRing":
@@ -65,11 +63,10 @@ class ExpertRing:
         """On the staging thread: expert into pinned buffer p, then queued to slot s; the event of its arrival."""
         if self.pinned_read[p] is not None:
             self.pinned_read[p].synchronize()
-        pinned = self.pinned[p].numpy()
-        pieces = [(pinned[o : o + b], expert[name].reshape(-1).view(np.uint8)) for name, (_, _, o, b) in self.layout.items()]
-        pieces = [(dst[i : i + _PIECE], src[i : i + _PIECE]) for dst, src in pieces for i in range(0, len(src), _PIECE)]
-        for done in [self.copiers.submit(np.copyto, dst, src) for dst, src in pieces]:
-            done.result()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
+            for name, buf in views(self.pinned[p], self.layout).items():
+                buf.copy_(torch.from_numpy(expert[name]))
         with torch.cuda.stream(self.copies):
             if self.slot_free[s] is not None:
                 self.copies.wait_event(self.slot_free[s])
