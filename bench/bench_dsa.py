@@ -1,11 +1,12 @@
 """DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
 beside the plain-torch reference (glm5_offload/model.py).
 
-    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep]
+    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8]
 
 Decode kernels take microseconds, less than Python's launch of them: they are timed eagerly and replayed
 from a CUDA graph (the GPU's own time; the engine's decode is to run from graphs). --sweep also times
 each kernel over block shapes (the defaults in kernels/dsa_triton.py come from such a sweep).
+--mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first.
 """
 
 import json
@@ -55,14 +56,28 @@ def mla_inputs(S, T, fp8=False):
     return q_lat, q_pe, latent, indices
 
 
-def mla_case(S, T, fp8=False):
-    """(eager ms, CUDA-graph ms or None, torch ms, flops)."""
+def mla_case(S, T, fp8=False, convert_fp8=None, reference=True):
+    """(eager ms, CUDA-graph ms or None, torch ms or None, flops)."""
     q_lat, q_pe, latent, indices = mla_inputs(S, T, fp8)
-    run = lambda: dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.06)  # noqa: E731
+    run = lambda: dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.06, convert_fp8=convert_fp8)  # noqa: E731
     ms = ceilings.time_ms(run, iters=5 if S > 32 else 20)
     graph = ceilings.graph_ms(run) if S <= 32 else None
-    ref_ms = ceilings.time_ms(lambda: sparse_mla(q_lat, q_pe, latent, indices, L, 0.06), warmup=1, iters=3)
+    ref_ms = (ceilings.time_ms(lambda: sparse_mla(q_lat, q_pe, latent, indices, L, 0.06), warmup=1, iters=3)
+              if reference else None)
     return ms, graph, ref_ms, 2 * S * H * TOPK * (L + R + L)
+
+
+def mla_prefill_fp8() -> tuple[dict, list]:
+    """Sparse MLA prefill over FP8 rows: converted where read (in the kernel) against all rows converted to bf16
+    first (sparse_mla's choice for prefill), next to bf16 rows; 2048 queries, 128K and 1M rows."""
+    rows, table = {}, []
+    for T in (131072, 1048576):
+        for name, fp8, convert in (("bf16", False, None), ("fp8_in_kernel", True, False), ("fp8_converted", True, True)):
+            ms, _, _, flops = mla_case(2048, T, fp8, convert, reference=False)
+            rows[f"sparse_mla_prefill_2048x{T}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9}
+            table.append((f"sparse MLA prefill 2048 queries, {T} rows, {name}", f"{ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s"))
+        torch.cuda.empty_cache()
+    return rows, table
 
 
 def decode_sweep() -> dict:
@@ -166,6 +181,9 @@ def main(sweep: bool = False):
     rows["sparse_mla_prefill_2048"] = {"ms": ms, "tflops": flops / ms / 1e9, "ref_ms": ref}
     table.append(("sparse MLA prefill, 2048 queries", f"{ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s = "
                   f"{flops / ms / 1e9 / mm:.0%} of matmul (torch {ref:.0f} ms)"))
+    prefill_fp8, prefill_table = mla_prefill_fp8()
+    rows.update(prefill_fp8)
+    table += prefill_table
     per_full = rows["indexer_decode_fp8_1048576"]["graph_us"] + rows["topk_torch_1m_us"]
     mla = rows["sparse_mla_decode_fp8_b1"]["graph_us"]
     glm5, glm52 = 78 * (per_full + mla), 21 * per_full + 78 * mla
@@ -185,4 +203,8 @@ def main(sweep: bool = False):
 
 
 if __name__ == "__main__":
+    if "--mla-prefill-fp8" in sys.argv:
+        for name, value in mla_prefill_fp8()[1]:
+            print(f"| {name} | {value} |")
+        sys.exit(0)
     sys.exit(0 if main(sweep="--sweep" in sys.argv) else 1)

@@ -48,7 +48,9 @@ class ExpertRing:
         self.pinned_read: list[torch.cuda.Event | None] = [None] * PINNED  # the copy that last read each buffer
         self.slot_free: list[torch.cuda.Event | None] = [None] * DEPTH  # the compute stream done with each slot
         self.staged = 0
-        self.stager = ThreadPoolExecutor(1, thread_name_prefix="expert-ring")
+        # torch's copies use as many threads there as on the caller's (OpenMP's count is per thread)
+        self.stager = ThreadPoolExecutor(1, thread_name_prefix="expert-ring", initializer=torch.set_num_threads,
+                                         initargs=(torch.get_num_threads(),))
 
     @staticmethod
     def on(device: torch.device, arrays: dict[str, np.ndarray]) -> "ExpertRing":

@@ -199,22 +199,55 @@ def fp8_latent_group(kv_lora_rank: int) -> int:
     return 128 if kv_lora_rank % 128 == 0 else kv_lora_rank
 
 
+@triton.jit
+def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
+                               BLOCK_T: tl.constexpr):
+    # FP8 rows [T, L + 4L/G + 2R] bytes -> bf16 [T, L+R]: the values _sparse_mla_kernel's FP8 path computes with
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < T
+    lc, lr = tl.arange(0, L), tl.arange(0, R)
+    row = src_ptr + t.to(tl.int64) * (L + 4 * (L // G) + 2 * R)
+    c8 = tl.load((row[:, None] + lc[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=ok[:, None], other=0.0)
+    sc = tl.load((row[:, None] + L + 4 * (lc[None, :] // G)).to(tl.pointer_type(tl.float32)), mask=ok[:, None],
+                 other=0.0)
+    pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
+                 mask=ok[:, None], other=0.0)
+    dst = dst_ptr + t.to(tl.int64)[:, None] * (L + R)
+    tl.store(dst + lc[None, :], (c8.to(tl.float32) * sc).to(tl.bfloat16), mask=ok[:, None])
+    tl.store(dst + L + lr[None, :], pe, mask=ok[:, None])
+
+
+def fp8_latent_to_bf16(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> torch.Tensor:
+    """FP8 latent rows [T, L + 4L/G + 2R] uint8 -> bf16 [T, L+R] (reference: kv_cache.dequantize_latent)."""
+    T, L, R = rows.shape[0], kv_lora_rank, rope_dim
+    out = torch.empty(T, L + R, dtype=torch.bfloat16, device=rows.device)
+    block_t = 256 if INTERPRET else 16
+    _fp8_latent_to_bf16_kernel[(triton.cdiv(T, block_t),)](rows.contiguous(), out, T, L=L, R=R,
+                                                             G=fp8_latent_group(L), BLOCK_T=block_t)
+    return out
+
+
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
                lse: torch.Tensor | None = None, splits: int | None = None, block_h: int | None = None,
-               block_k: int | None = None, num_warps: int = 8, num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               block_k: int | None = None, num_warps: int = 8, num_stages: int | None = None,
+               convert_fp8: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
     one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
     GLM-5, see kv_cache.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
 
     Few queries (decode) split the selected rows over several programs, flash-decoding style, and a second
-    kernel combines the splits by their log-sum-exp. The block shapes default to the fastest of bench_dsa's
-    sweep on an H200."""
+    kernel combines the splits by their log-sum-exp. FP8 rows are converted in the kernel where they are read;
+    when the queries read at least as many rows as there are (prefill chunks; convert_fp8 None), every row is
+    converted to bf16 once instead (the same values) and the bf16 kernel reads each row once for 64 heads. The
+    block shapes default to the fastest of bench_dsa's sweep on an H200."""
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
     fp8 = latent.dtype == torch.uint8
     G = fp8_latent_group(L)
     assert L == kv_lora_rank and latent.shape[1] == (L + 4 * (L // G) + 2 * R if fp8 else L + R)
+    if fp8 and (convert_fp8 if convert_fp8 is not None else S * K >= latent.shape[0]):
+        latent, fp8 = fp8_latent_to_bf16(latent, L, R), False
     block_k = block_k or (128 if INTERPRET else 64)
     # one query: 16 heads a program (more programs); several: up to 64 (each row read once for all heads);
     # FP8 rows need more shared memory for their conversion: 32

@@ -73,8 +73,20 @@ def test_sparse_mla(dtype, S, H, K, splits):  # split holds only -1 padding
 
 
 @pytest.mark.parametrize("L, splits", [(256, 1), (64, 3)])  # 256: two scales per row; 64: one
-def test_sparse_mla_fp8_rows(L, splits):
-    check_mla(2, 16, L, 16, 200, 70, torch.bfloat16, seed=L, splits=splits, fp8=True)
+@pytest.mark.parametrize("S", [2, 4])  # 2 x 70 rows read < 200: converted where read; 4 x 70: all converted first
+def test_sparse_mla_fp8_rows(L, splits, S):
+    check_mla(S, 16, L, 16, 200, 70, torch.bfloat16, seed=L + S, splits=splits, fp8=True)
+
+
+def test_fp8_rows_convert_to_their_bf16_values():
+    rows = torch.randn(300, 512 + 64, generator=torch.Generator().manual_seed(9)) * 3
+    packed = quantize_latent(rows, 512).to(DEVICE)
+    got, want = dsa_triton.fp8_latent_to_bf16(packed, 512, 64), dequantize_latent(packed, 512)
+    assert got.dtype == torch.bfloat16
+    if dsa_triton.INTERPRET:  # the interpreter rounds fp32 -> bf16 toward zero, a GPU to nearest (as torch)
+        assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
+    else:
+        assert torch.equal(got, want.bfloat16())
 
 
 def test_fp8_latent_row_is_656_bytes_and_close():
