@@ -149,8 +149,9 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
 
     kv_dtype fp8 puts every layer's latent rows and indexer keys in the FP8 forms (656 B, 132 B); bf16 or
     fp32 count the layers whose attention rule does not ask for FP8 (kv_cache.latent_layout) in that dtype,
-    instead of the compute dtype. Offloaded latent rows count on
-    the host; their device holds the hot buffer and one prefill staging buffer of every row."""
+    instead of the compute dtype. Offloaded latent rows count on the host; their device holds the hot buffer and
+    one prefill staging buffer of every row. A device with FP8 rows holds one more buffer of every row, in bf16,
+    for prefill chunks' sparse MLA (kernels/dsa_triton.sparse_mla converts them once per chunk)."""
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise Glm5Error(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
@@ -174,6 +175,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
     key_kinds = set()
     activation_bytes = 4  # temporaries are fp32 at worst
     streamed: dict[str, int] = {}  # GPU -> its expert ring (expert_ring.py) and one expert dequantised there
+    converted: dict[str, int] = {}  # device -> bf16 row bytes of the FP8 rows converted for a prefill chunk
     staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
     latent_kinds = set()
     for slot in placement.slots.values():
@@ -195,6 +197,8 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                 d.per_token += SLOT_BYTES
                 staging[slot.device] = max(staging.get(slot.device, 0), row)
             d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
+            if kind == "fp8":  # a prefill chunk's sparse MLA converts every row so far to bf16 (dsa_triton)
+                converted[slot.device] = config.latent_dim * 2
         elif isinstance(slot.module, Indexer):
             key = index_key_bytes(config, kv_form(placement.slots[slot.name.rpartition(".")[0]]))  # its attention's
             key_kinds.add(key)
@@ -211,7 +215,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                 streamed[gate.device] = max(streamed.get(gate.device, 0), ring + one_expert * dtype.itemsize)
     for device, nbytes in streamed.items():  # long prefill chunks' experts: the ring stays, all layers share it
         devices[device].workspace += nbytes
-    for device, row in staging.items():
+    for device, row in [*staging.items(), *converted.items()]:  # one buffer of every row, shared by the layers
         devices[device].latent_kv += row * max_seq_len
         devices[device].per_token += row
     heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + config.kv_lora_rank)
