@@ -9,10 +9,10 @@ copies under the host's kernel launches. An expert's arrays lie in one block (on
 GPU and expert shape serves every layer.
 """
 
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-import warnings
 
 import numpy as np
 import torch

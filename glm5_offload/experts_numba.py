@@ -14,8 +14,8 @@ compute dtype (kernels/experts_triton.py) and multiply their tokens.
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
