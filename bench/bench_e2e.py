@@ -147,8 +147,8 @@ def main(argv=None):
             print(f"transformers ({peer['mode']}), context {peer['context']}: decode {peer['decode_ms_per_layer']:.2f} "
                   f"ms/layer, ours {ours:.2f}: {peer['our_decode_speedup_per_layer']:.1f}x", flush=True)
         if args.discard:
-            for experts in {ExpertCache(cache_dir() / "experts", model_dir, *fmt).folder} if fmt else ():
-                shutil.rmtree(experts, ignore_errors=True)
+            if fmt:
+                shutil.rmtree(ExpertCache(cache_dir() / "experts", model_dir, *fmt).folder, ignore_errors=True)
             shutil.rmtree(model_dir)
     results, measured_moe, layers = runs[counts[0]], moe[counts[0]], counts[0]
     marginal = marginal_layer(runs, moe) if len(counts) == 2 else None

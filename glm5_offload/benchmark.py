@@ -23,8 +23,15 @@ from .timeline import Timeline
 PARTS = ("attention", "experts", "transfers")
 
 
+def parts(timeline: Timeline, seconds: float) -> dict[str, float]:
+    """The seconds of each of PARTS in the timeline, and the rest of `seconds` as "other"."""
+    split = {name: timeline.seconds.get(name, 0.0) for name in PARTS}
+    split["other"] = max(seconds - sum(split.values()), 0.0)
+    return split
+
+
 def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) -> dict:
-    """context random prompt tokens, then new_tokens greedy ones, three times (see the module's text)."""
+    """context random prompt tokens, then new_tokens greedy ones: the runs of the module's text."""
     model = engine.model
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(seed))
     engine.stop_ids = set()
@@ -48,14 +55,11 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
             # what the cache holds (the second run's tokens: re-feeding position context-1 alone may change the
             # greedy tokens of a random model), so all but one token are cached and no new shape compiles here
             third = engine.generate(again.prompt_ids + again.output_ids, new_tokens)
-    step_s = (third.prefill_seconds + third.decode_seconds) / new_tokens  # new_tokens forwards, 1 token each
-    split = {name: timeline.seconds.get(name, 0.0) / new_tokens for name in PARTS}
-    split["other"] = max(step_s - sum(split.values()), 0.0)
+    split = parts(timeline, third.prefill_seconds + third.decode_seconds)  # new_tokens forwards, 1 token each
     engine.reset()
     with Timeline() as timeline:
         fresh = engine.generate(prompt.tolist(), 1)
-    prefill_split = {name: timeline.seconds.get(name, 0.0) for name in PARTS}
-    prefill_split["other"] = max(fresh.prefill_seconds - sum(prefill_split.values()), 0.0)
+    prefill_split = parts(timeline, fresh.prefill_seconds)
     prefill_split["of which indexer"] = timeline.seconds.get("indexer", 0.0)
     return {
         "model": str(Path(model.config.path).parent), "context": context, "new_tokens": new_tokens,
@@ -64,7 +68,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "decode_ms_per_token": 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None,
         "cuda_graphs": graphs is not None,
         "graph_split_ms_per_token": graph_split,
-        "split_ms_per_token": {k: v * 1e3 for k, v in split.items()},
+        "split_ms_per_token": {k: v / new_tokens * 1e3 for k, v in split.items()},
         "split_prefilled_tokens": third.prefilled_tokens,
         "prefill_split_s": prefill_split,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,

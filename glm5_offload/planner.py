@@ -14,7 +14,7 @@ import torch
 from .config import ModelConfig
 from .errors import Glm5Error
 from .expert_ring import DEPTH
-from .kv_cache import fp8_row_width, latent_layout
+from .kv_cache import LatentLayout, fp8_row_width, latent_layout
 from .model import _SCORE_BUDGET, Attention, Experts, Indexer
 from .operators import DTYPE_FORMATS
 from .rules import Placement
@@ -166,11 +166,13 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
 
     compute_kv = DTYPE_FORMATS[dtype]
 
-    def kv_form(attention_slot) -> str:
+    def layout_of(attention_slot) -> LatentLayout:
+        return latent_layout(attention_slot.kwargs, "fp8" if kv_dtype == "fp8" else None)
+
+    def kv_form(layout: LatentLayout) -> str:
         """The form of a layer's latent rows and indexer keys: FP8 by the flag or the attention rule, else the
         flag's dtype or the compute dtype."""
-        fp8 = kv_dtype == "fp8" or latent_layout(attention_slot.kwargs).fp8
-        return "fp8" if fp8 else kv_dtype or compute_kv
+        return "fp8" if layout.fp8 else kv_dtype or compute_kv
 
     key_kinds = set()
     activation_bytes = 4  # temporaries are fp32 at worst
@@ -185,8 +187,8 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
         else:
             d.weights += slot.op.weight_bytes(slot.module, slot.kwargs, dtype, skip=slot.child_slots)
         if isinstance(slot.module, Attention):
-            layout = latent_layout(slot.kwargs, "fp8" if kv_dtype == "fp8" else None)
-            kind = kv_form(slot)
+            layout = layout_of(slot)
+            kind = kv_form(layout)
             latent_kinds.add(kind)
             row = latent_row_bytes(config, kind)
             home = on("cpu") if layout.offload else d
@@ -200,7 +202,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             if kind == "fp8":  # a prefill chunk's sparse MLA converts every row so far to bf16 (dsa_triton)
                 converted[slot.device] = config.latent_dim * 2
         elif isinstance(slot.module, Indexer):
-            key = index_key_bytes(config, kv_form(placement.slots[slot.name.rpartition(".")[0]]))  # its attention's
+            key = index_key_bytes(config, kv_form(layout_of(placement.slots[slot.name.rpartition(".")[0]])))  # its attention's
             key_kinds.add(key)
             d.per_token += key
             d.indexer_keys += key * max_seq_len
@@ -211,7 +213,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             if slot.kwargs.get("gpu_tokens") and gate is not None and gate.device != slot.device:
                 one_expert = 3 * config.hidden_size * config.moe_intermediate_size
                 ring = DEPTH * expert_bytes(one_expert, slot.op.format(slot.kwargs, dtype).split("/")[0],
-                                            slot.kwargs.get("group_size", 128))
+                                            slot.kwargs.get("group_size", EXPERT_GROUP))
                 streamed[gate.device] = max(streamed.get(gate.device, 0), ring + one_expert * dtype.itemsize)
     for device, nbytes in streamed.items():  # long prefill chunks' experts: the ring stays, all layers share it
         devices[device].workspace += nbytes

@@ -101,7 +101,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > positions[s].
 
     q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32,
-    positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. The block shapes default to the fastest of bench_dsa's sweep on an H200.
+    positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. The block
+    shapes default to the fastest of bench_dsa's sweep on an H200.
     """
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):

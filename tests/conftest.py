@@ -96,6 +96,17 @@ def refused_rule(tmp_path, cls: str, replace: str, message: str):
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+def assert_bf16_of(got: torch.Tensor, want: torch.Tensor):
+    """got, a Triton kernel's bf16 output, is want (fp32) rounded to bf16: to nearest on a GPU, as torch does;
+    Triton 3.6's interpreter rounds toward zero, so there within one bf16 step."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == torch.bfloat16
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
+    else:
+        assert torch.equal(got, want.bfloat16())
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

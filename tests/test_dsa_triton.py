@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import assert_bf16_of, rel_err
 
 from glm5_offload.kernels import dsa_triton
 from glm5_offload.kv_cache import dequantize_latent, fp8_row_width, quantize_latent
@@ -81,12 +81,7 @@ def test_sparse_mla_fp8_rows(L, splits, S):
 def test_fp8_rows_convert_to_their_bf16_values():
     rows = torch.randn(300, 512 + 64, generator=torch.Generator().manual_seed(9)) * 3
     packed = quantize_latent(rows, 512).to(DEVICE)
-    got, want = dsa_triton.fp8_latent_to_bf16(packed, 512, 64), dequantize_latent(packed, 512)
-    assert got.dtype == torch.bfloat16
-    if dsa_triton.INTERPRET:  # the interpreter rounds fp32 -> bf16 toward zero, a GPU to nearest (as torch)
-        assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
-    else:
-        assert torch.equal(got, want.bfloat16())
+    assert_bf16_of(dsa_triton.fp8_latent_to_bf16(packed, 512, 64), dequantize_latent(packed, 512))
 
 
 def test_fp8_latent_row_is_656_bytes_and_close():
