@@ -1,8 +1,8 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
-        [--rules glm5-1m] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384] [--peer all,offload]
-        [--json FILE]
+        [--rules glm5-1m --gpu-ring 256] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
+        [--peer all,offload] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
 bench`'s measurement (benchmark.run_benchmark); with --peer, transformers on the same checkpoint
@@ -14,6 +14,7 @@ active experts' bytes per token in the placement's format / read bandwidth); and
 last-context prefill, from its synchronised split, per layer kind (prefill_projection)."""
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -30,7 +31,7 @@ from glm5_offload import cache_dir
 from glm5_offload.experts_numba import ExpertCache, NumbaExperts
 from glm5_offload.loader import load_model
 from glm5_offload.planner import active_expert_weights, expert_bytes
-from glm5_offload.rules import load_rules
+from glm5_offload.rules import RuleFile, load_rules
 from glm5_offload.tiny import make_tiny
 
 TARGETS = ("glm-5", "glm-5.2")
@@ -108,6 +109,19 @@ def marginal_layer(runs: dict[int, list[dict]], moe: dict[int, int]) -> list[dic
     return rows
 
 
+def with_gpu_ring(rules: RuleFile, depth: int) -> RuleFile:
+    """The rule file with gpu_ring = depth in its experts.numba rules' kwargs, checked as a rule file's are."""
+    changed = []
+    for rule in rules.rules:
+        if rule.op is not None and rule.op.name == "experts.numba":
+            kwargs = {**rule.kwargs, "gpu_ring": depth}
+            if problem := rule.op.check_kwargs(kwargs):
+                raise SystemExit(f"--gpu-ring: {problem}")
+            rule = dataclasses.replace(rule, kwargs=kwargs)
+        changed.append(rule)
+    return dataclasses.replace(rules, rules=tuple(changed))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True, help="the checkpoint (written here with make-tiny if absent; with "
@@ -119,6 +133,8 @@ def main(argv=None):
     parser.add_argument("--discard", action="store_true",
                         help="delete each checkpoint and its expert cache once measured (the disk holds one)")
     parser.add_argument("--rules", default="glm5-1m")
+    parser.add_argument("--gpu-ring", type=int, help="experts.numba's gpu_ring in every experts rule: experts the "
+                                                     "GPU holds at once for long chunks (256: a whole GLM-5 layer)")
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=16384)
@@ -127,6 +143,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.layers.split(",")]
     rules = load_rules(args.rules)
+    if args.gpu_ring:
+        rules = with_gpu_ring(rules, args.gpu_ring)
     runs, moe, configs, fmt, peers = {}, {}, {}, None, []
     for n in counts:
         model_dir = Path(args.dir) if len(counts) == 1 else Path(args.dir) / f"{n}-layers"

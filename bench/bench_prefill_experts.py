@@ -5,7 +5,14 @@ The chunk size where the GPU path wins is the `gpu_tokens` kwarg of experts.numb
 measured here, not guessed. Both against the host's read bandwidth and the pinned copy bandwidth
 measured in the same run.
 
+With --sequence, the next layer's prefetch instead: `--layers` MoE layers in turn on one long chunk, each after
+a stand-in for its attention (bf16 matmuls queued on the GPU for --attention-ms), with and without the
+prefetch and for each ring depth of --rings. A layer's exposed expert time is its time less the stand-in's;
+against the H2D ceiling (the layer's bytes at the pinned copy speed) and the layer alone (no stand-in).
+
     PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py [--format int4] [--chunks 64,256,1024,4096]
+    PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py --sequence [--tokens 65536] [--rings 8,256]
+        [--attention-ms 0,100,300]
 """
 
 import argparse
@@ -34,8 +41,15 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--profile", action="store_true",
                         help="also profile the GPU path on the last chunk (torch.profiler: host and GPU time per op)")
+    parser.add_argument("--sequence", action="store_true", help="measure the next layer's prefetch (see above)")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--rings", default="8,256")
+    parser.add_argument("--attention-ms", default="0,100,300")
     args = parser.parse_args(argv)
     v13, s13, v2, s2 = bench_experts.random_layer(args.format, EXPERTS, args.group)
+    if args.sequence:
+        return sequence({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, args)
     experts = NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, args.format, args.group, args.threads)
     layer_bytes = sum(a.nbytes for a in (v13, s13, v2, s2))
     cuda = torch.cuda.is_available()
@@ -95,6 +109,66 @@ def main(argv=None):
     for r in rows:
         gpu = (f"{r['gpu_ms']:.1f} | {r['streamed_gb_s']:.1f} ({r['of_h2d']:.0%})" if "gpu_ms" in r else "- | -")
         print(f"| {r['tokens']} | {r['active_experts']} | {r['cpu_ms']:.1f} | {gpu} |")
+    return rows
+
+
+def stand_in(ms: float):
+    """A closure queuing about `ms` of bf16 matmuls on the current stream (calibrated here), for an attention."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    per = ceilings.time_ms(lambda: torch.mm(a, a, out=c))
+
+    def attention():
+        for _ in range(round(ms / per)):
+            torch.mm(a, a, out=c)
+    return attention
+
+
+def sequence(arrays: dict, args) -> list[dict]:
+    """Layers in turn on one chunk (see the module's docstring): the same random weights, a layer object each,
+    so each layer's experts move again as they would from their own memory."""
+    layer_bytes = sum(a.nbytes for a in arrays.values())
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    h2d = (1 << 30) / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
+    ceiling_ms = layer_bytes / h2d / 1e6
+    x = torch.randn(args.tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(args.tokens, EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].contiguous()
+    w = torch.rand(args.tokens, TOP_K, device="cuda")
+    rows = []
+    for depth in (int(r) for r in args.rings.split(",")):
+        for attention_ms in (float(a) for a in args.attention_ms.split(",")):
+            attention = stand_in(attention_ms) if attention_ms else (lambda: None)
+            for prefetch in (False, True):
+                layers = [NumbaExperts(arrays, args.format, args.group, None, gpu_tokens=1, gpu_ring=depth)
+                          for _ in range(args.layers)]
+                if prefetch:
+                    for layer, following in zip(layers, layers[1:] + layers[:1]):
+                        layer.set_next_layer(following)
+                attention()
+                layers[-1].on_device(x, ids, w)  # warm: kernels, the ring's buffers; the first layer prefetched
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for layer in layers:
+                    attention()
+                    layer.on_device(x, ids, w)
+                torch.cuda.synchronize()
+                per_layer = (time.perf_counter() - t0) * 1e3 / args.layers
+                row = {"ring": depth, "attention_ms": attention_ms, "prefetch": prefetch, "layer_ms": per_layer,
+                       "exposed_experts_ms": per_layer - attention_ms, "h2d_ceiling_ms": ceiling_ms}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                for *_, arrival in ExpertRing.on(x.device, layers[0]._packed(), depth).queue:  # the last prefetch
+                    arrival.result()
+    print(f"\n{args.layers} layers of {args.format}/g{args.group} ({layer_bytes / 2**30:.2f} GiB each) in turn on "
+          f"{args.tokens} tokens; pinned H2D {h2d:.1f} GB/s, so {ceiling_ms:.0f} ms per layer at best without overlap")
+    print("| ring | attention stand-in ms | exposed experts ms, no prefetch | with prefetch | prefetch gain | "
+          "with prefetch, of H2D ceiling |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for off, on in zip(rows[::2], rows[1::2]):
+        print(f"| {on['ring']} | {on['attention_ms']:.0f} | {off['exposed_experts_ms']:.1f} | "
+              f"{on['exposed_experts_ms']:.1f} | {off['exposed_experts_ms'] - on['exposed_experts_ms']:.1f} ms | "
+              f"{on['exposed_experts_ms'] / ceiling_ms:.2f}x |")
     return rows
 
 

@@ -1,12 +1,13 @@
 """Routed experts streamed from host memory to a GPU ahead of their use (the long prefill chunks of experts.numba).
 
 A staging thread copies each expert's packed arrays from the memory-mapped cache into one of PINNED pinned
-buffers (torch's threaded copy) and queues that buffer's copy to one of DEPTH device slots on a copy stream of
-its own, while the calling thread queues the matmuls: the compute stream waits for a slot's arrival, the copy
-stream for the slot's release by the compute stream before it overwrites it. Up to DEPTH experts are in
+buffers (torch's threaded copy) and queues that buffer's copy to one of `depth` device slots on a copy stream
+of its own, while the calling thread queues the matmuls: the compute stream waits for a slot's arrival, the
+copy stream for the slot's release by the compute stream before it overwrites it. Up to `depth` experts are in
 flight, so the transfers run under the matmuls of the experts before them and back to back, and the host's
 copies under the host's kernel launches. An expert's arrays lie in one block (one transfer each). One ring per
-GPU and expert shape serves every layer.
+GPU, expert shape and depth serves every layer: as a layer's last matmuls release their slots, the next
+layer's first experts (prefetch) already move in, under that layer's attention.
 """
 
 import warnings
@@ -34,31 +35,34 @@ def views(block: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
 
 
 class ExpertRing:
-    """DEPTH device slots for one expert's arrays, PINNED host buffers, a copy stream and a staging thread."""
+    """`depth` device slots for one expert's arrays, PINNED host buffers, a copy stream and a staging thread.
+    `queue` holds the experts staged and not yet handed out: (stage number, layer, expert, slot, arrival)."""
 
-    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device):
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device, depth: int):
         self.layout, size = {}, 0
         for name, (shape, dtype) in shapes.items():
             nbytes = int(np.prod(shape)) * dtype.itemsize
             self.layout[name] = (shape, dtype, size, nbytes)
             size += -(-nbytes // _ALIGN) * _ALIGN
+        self.depth = depth
         self.copies = torch.cuda.Stream(device)
         self.pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(PINNED)]
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(DEPTH)]
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
         self.pinned_read: list[torch.cuda.Event | None] = [None] * PINNED  # the copy that last read each buffer
-        self.slot_free: list[torch.cuda.Event | None] = [None] * DEPTH  # the compute stream done with each slot
+        self.slot_free: list[torch.cuda.Event | None] = [None] * depth  # the compute stream done with each slot
         self.staged = 0
+        self.queue: deque[tuple[int, object, int, int, Future]] = deque()
         # torch's copies use as many threads there as on the caller's (OpenMP's count is per thread)
         self.stager = ThreadPoolExecutor(1, thread_name_prefix="expert-ring", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
 
     @staticmethod
-    def on(device: torch.device, arrays: dict[str, np.ndarray]) -> "ExpertRing":
-        """The ring of `device` for experts shaped like `arrays` ({name: [E, ...]})."""
+    def on(device: torch.device, arrays: dict[str, np.ndarray], depth: int = DEPTH) -> "ExpertRing":
+        """The ring of `device` with `depth` slots for experts shaped like `arrays` ({name: [E, ...]})."""
         shapes = {n: (tuple(a.shape[1:]), torch_dtype(a.dtype)) for n, a in arrays.items()}
-        key = (device, tuple(shapes.items()))
+        key = (device, tuple(shapes.items()), depth)
         if key not in _rings:
-            _rings[key] = ExpertRing(shapes, device)
+            _rings[key] = ExpertRing(shapes, device, depth)
         return _rings[key]
 
     def _copy(self, expert: dict[str, np.ndarray], p: int, s: int) -> torch.cuda.Event:
@@ -78,25 +82,38 @@ class ExpertRing:
         self.pinned_read[p] = arrived
         return arrived
 
-    def stage(self, expert: dict[str, np.ndarray]) -> tuple[int, Future]:
-        """Hand one expert's arrays to the staging thread: (its slot, a future of its arrival event)."""
-        p, s = self.staged % PINNED, self.staged % DEPTH
-        self.staged += 1
-        return s, self.stager.submit(self._copy, expert, p, s)
+    def _fill(self, layer, arrays: dict[str, np.ndarray], todo: Iterator[int], skip=frozenset()) -> None:
+        """Queue experts drawn from `todo` (but those in `skip`) while a slot is free: stage number n takes slot
+        n % depth, free once every expert staged before n - depth + 1 is handed out and released."""
+        while not self.queue or self.queue[0][0] > self.staged - self.depth:
+            e = next((e for e in todo if e not in skip), None)
+            if e is None:
+                return
+            n, s, p = self.staged, self.staged % self.depth, self.staged % PINNED
+            self.staged += 1
+            self.queue.append((n, layer, e, s, self.stager.submit(self._copy, {k: a[e] for k, a in arrays.items()}, p, s)))
 
-    def stream(self, arrays: dict[str, np.ndarray], experts: Iterable[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Yield (e, expert e's arrays on the device) for each e in order, usable on the current stream. Queue the
-        work on one before asking for the next: its slot is then handed back to the copies. `experts` is drawn
-        DEPTH - 1 ahead: the first DEPTH - 1 before the first yield."""
+    def prefetch(self, layer, arrays: dict[str, np.ndarray], experts: Iterable[int]) -> None:
+        """Start moving `layer`'s first `experts` (as many as slots are free) before its stream() is called:
+        their transfers then run under whatever the GPU does until then (the layer's attention)."""
+        self._fill(layer, arrays, iter(experts))
+
+    def stream(self, layer, arrays: dict[str, np.ndarray], experts: Iterable[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield (e, expert e's arrays on the device), usable on the current stream: first the experts of `layer`
+        prefetched, then each e of `experts` not among them, in order. Queue the work on one before asking for
+        the next: its slot is then handed back to the copies. `experts` is drawn as far ahead as slots are free
+        (depth items when none are prefetched) before the first yield. `layer` is any object naming the layer."""
         compute = torch.cuda.current_stream(self.copies.device)
-        todo, in_flight = iter(experts), deque()
-        for _ in range(DEPTH - 1):
-            if (e := next(todo, None)) is not None:
-                in_flight.append((e, *self.stage({n: a[e] for n, a in arrays.items()})))
-        while in_flight:
-            if (e := next(todo, None)) is not None:  # into the slot released last round
-                in_flight.append((e, *self.stage({n: a[e] for n, a in arrays.items()})))
-            e, s, arrival = in_flight.popleft()
+        while self.queue and self.queue[0][1] is not layer:  # prefetched for a layer that ran elsewhere: dropped
+            self.queue.popleft()
+        prefetched, todo = {e for _, l, e, _, _ in self.queue if l is layer}, iter(experts)
+        while True:
+            self._fill(layer, arrays, todo, prefetched)
+            if not self.queue:
+                return
+            _, owner, e, s, arrival = self.queue.popleft()
+            if owner is not layer:
+                continue
             compute.wait_event(arrival.result())
             try:
                 yield e, views(self.slots[s], self.layout)

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, chain
 from pathlib import Path
 
 import numpy as np
@@ -117,11 +117,16 @@ class NumbaExperts(nn.Module):
     """Drop-in for Experts: forward(x, ids, weights), and begin()/finish() for overlap with the GPU."""
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
-                 act_int8: bool = False, gpu_tokens: int | None = None):
+                 act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH):
         super().__init__()
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
         self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
+        self.gpu_ring = gpu_ring  # experts the GPU holds at once for them (expert_ring.py)
+        self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (the loader's)
+
+    def set_next_layer(self, following: "NumbaExperts"):
+        self.__dict__["next_layer"] = following  # not a submodule (one module, two parents)
         self._pinned: dict[str, torch.Tensor] = {}
 
     def extra_repr(self) -> str:
@@ -139,15 +144,24 @@ class NumbaExperts(nn.Module):
             self._pinned[name] = buf
         return buf[: shape[0]]
 
-    def _on_device(self, experts: Iterable[int], device: torch.device):
-        """Yield (e, expert e's packed arrays on device) for each e: through the GPU's ExpertRing, or as copies.
-        Either way `experts` is drawn at least DEPTH items ahead (to its end if shorter) before the first yield."""
+    def _packed(self) -> dict[str, np.ndarray]:
         names = ("w13", "w2") if self.fmt == "bf16" else ("w13", "s13", "w2", "s2")  # bf16 has no scales
-        arrays = {n: getattr(self, n) for n in names}
+        return {n: getattr(self, n) for n in names}
+
+    def _on_device(self, experts: Iterable[int], device: torch.device):
+        """Yield (e, expert e's packed arrays on device): through the GPU's ExpertRing (first the experts of this
+        layer it prefetched, then the others of `experts`), or as copies of each of `experts`. Either way
+        `experts` is drawn ahead (to its end on the CPU) before the first yield."""
+        arrays = self._packed()
         if device.type == "cuda":
-            yield from ExpertRing.on(device, arrays).stream(arrays, experts)
+            yield from ExpertRing.on(device, arrays, self.gpu_ring).stream(self, arrays, experts)
         else:
             yield from ((e, {n: torch.from_numpy(np.array(a[e])) for n, a in arrays.items()}) for e in list(experts))
+
+    def prefetch(self, device: torch.device):
+        """Start this layer's first experts towards the GPU's ring, ahead of a long chunk's on_device."""
+        arrays = self._packed()
+        ExpertRing.on(device, arrays, self.gpu_ring).prefetch(self, arrays, range(self.w13.shape[0]))
 
     def _matrix(self, packed: dict[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
         """An expert's w13 ([2I, H]) or w2 ([H, I]) in dtype, from its packed arrays on the device."""
@@ -161,25 +175,30 @@ class NumbaExperts(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         inter, k = self.w13.shape[1] // 2, ids.shape[1]
         n_experts, counts, starts = self.w13.shape[0], [], [0]
-        ahead = min(DEPTH - 1, n_experts)
+        ahead = min(self.gpu_ring - 1, n_experts)
 
-        def wanted():  # ascending; the first few before the host sync, so their copies run under the GPU's queue
-            yield from range(ahead)
-            counts.extend(torch.bincount(ids.flatten(), minlength=n_experts).tolist())  # the one host sync
-            starts.extend(accumulate(counts))
-            yield from (e for e in range(ahead, n_experts) if counts[e])
+        def routed(e: int) -> int:  # the one host sync comes with the first call: after the first copies are queued
+            if not counts:
+                counts.extend(torch.bincount(ids.flatten(), minlength=n_experts).tolist())
+                starts.extend(accumulate(counts))
+            return counts[e]
+
+        # ascending: the first few (or those prefetched) before the host sync, so their copies run under the GPU's queue
+        wanted = chain(range(ahead), (e for e in range(ahead, n_experts) if routed(e)))
 
         with span("experts", x.device):
             order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
             rows, pair_weights = order // k, weights.flatten()[order, None].float()  # [P], [P, 1]
-            for e, packed in self._on_device(wanted(), x.device):
-                if not counts[e]:  # one of the first few, not routed to
+            for e, packed in self._on_device(wanted, x.device):
+                if not routed(e):  # one of the first few, not routed to
                     continue
                 a, b = starts[e], starts[e + 1]
                 gu = x[rows[a:b]] @ self._matrix(packed, "w13", x.dtype).T
                 act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
                 y = act @ self._matrix(packed, "w2", x.dtype).T
                 out.index_add_(0, rows[a:b], pair_weights[a:b] * y)
+            if self.next_layer is not None and x.is_cuda:  # its transfers start as the matmuls above release slots
+                self.next_layer.prefetch(x.device)
         return out.to(x.dtype)
 
     def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
@@ -240,6 +259,9 @@ class NumbaExpertsOperator(Operator):
         gpu_tokens = kwargs.get("gpu_tokens")
         if gpu_tokens is not None and not is_positive_int(gpu_tokens):
             return f"gpu_tokens must be a positive number of tokens, got {gpu_tokens!r}"
+        gpu_ring = kwargs.get("gpu_ring", DEPTH)
+        if not is_positive_int(gpu_ring) or gpu_ring < 2:
+            return f"gpu_ring must be a number of experts, at least 2, got {gpu_ring!r}"
         return None
 
     def format(self, kwargs: dict, dtype: torch.dtype) -> str:
@@ -265,9 +287,10 @@ class NumbaExpertsOperator(Operator):
             arrays = cache.store(slot.name, convert_layer(
                 slot.name, config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, tensors, fmt, group))
         return NumbaExperts(arrays, fmt, group, slot.kwargs.get("threads"), slot.kwargs.get("activations") == "int8",
-                            slot.kwargs.get("gpu_tokens"))
+                            slot.kwargs.get("gpu_tokens"), slot.kwargs.get("gpu_ring", DEPTH))
 
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
-    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens"), devices=("cpu",))
+    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring"),
+    devices=("cpu",))

@@ -176,7 +176,7 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
 
     key_kinds = set()
     activation_bytes = 4  # temporaries are fp32 at worst
-    streamed: dict[str, int] = {}  # GPU -> its expert ring (expert_ring.py) and one expert dequantised there
+    rings: dict[str, set[tuple]] = {}  # GPU -> its expert rings (expert_ring.py: one per format and depth)
     converted: dict[str, int] = {}  # device -> bf16 row bytes of the FP8 rows converted for a prefill chunk
     staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
     latent_kinds = set()
@@ -211,12 +211,14 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
             d.workspace = max(d.workspace, prefill_chunk * config.moe_intermediate_size * 3 * activation_bytes)
             gate = placement.slots.get(slot.name.rpartition(".")[0] + ".gate")
             if slot.kwargs.get("gpu_tokens") and gate is not None and gate.device != slot.device:
-                one_expert = 3 * config.hidden_size * config.moe_intermediate_size
-                ring = DEPTH * expert_bytes(one_expert, slot.op.format(slot.kwargs, dtype).split("/")[0],
-                                            slot.kwargs.get("group_size", EXPERT_GROUP))
-                streamed[gate.device] = max(streamed.get(gate.device, 0), ring + one_expert * dtype.itemsize)
-    for device, nbytes in streamed.items():  # long prefill chunks' experts: the ring stays, all layers share it
-        devices[device].workspace += nbytes
+                fmt = slot.op.format(slot.kwargs, dtype).split("/")[0]
+                ring = (fmt, slot.kwargs.get("group_size", EXPERT_GROUP), slot.kwargs.get("gpu_ring", DEPTH))
+                rings.setdefault(gate.device, set()).add(ring)
+    one_expert = 3 * config.hidden_size * config.moe_intermediate_size
+    for device, kinds in rings.items():  # long prefill chunks' experts: the rings stay, the layers share them;
+        # and one expert dequantised at a time
+        devices[device].workspace += sum(depth * expert_bytes(one_expert, fmt, group) for fmt, group, depth in kinds)
+        devices[device].workspace += one_expert * dtype.itemsize
     for device, row in [*staging.items(), *converted.items()]:  # one buffer of every row, shared by the layers
         devices[device].latent_kv += row * max_seq_len
         devices[device].per_token += row

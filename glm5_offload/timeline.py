@@ -1,9 +1,11 @@
 """Where a decode step's time goes: named spans, timed only while a Timeline is active (`glm5 bench`).
 
 Operators mark their parts with `with span("attention", device): ...`; outside a Timeline a span costs one
-global lookup. Inside one, a span synchronises its device at both ends, so on a GPU it measures the
-work itself, not the host's enqueueing of it; the price is that nothing overlaps while a split is taken,
-and `glm5 bench` times speed in separate, unmarked steps.
+global lookup. Inside one, a span synchronises its device's current stream at both ends, so on a GPU it
+measures the work itself, not the host's enqueueing of it; the price is that the host and the GPU do not
+overlap while a split is taken, and `glm5 bench` times speed in separate, unmarked steps. Side streams go
+on across span edges: the expert ring's copies of the next layer run under the attention's span, as they do
+unmarked, and what the compute stream waits for of them lands in the span that waits.
 """
 
 import time
@@ -35,7 +37,7 @@ def is_active() -> bool:
 
 def _sync(device):
     if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import torch
 
 from glm5_offload import experts_numba
 from glm5_offload.errors import Glm5Error
-from glm5_offload.expert_ring import DEPTH
+from glm5_offload.expert_ring import DEPTH, ExpertRing
 from glm5_offload.experts_numba import NumbaExperts
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.loader import load_model
@@ -150,6 +150,7 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{activations: int3}", "activations must be fp32 or int8"),
     ("{format: bf16, activations: int8}", "activations: int8 needs format int8 or int4"),
     ("{gpu_tokens: 0}", "gpu_tokens must be a positive number of tokens"),
+    ("{gpu_ring: 1}", "gpu_ring must be a number of experts, at least 2, got 1"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     refused_rule(tmp_path, "Experts", f"op: experts.numba, device: cpu, kwargs: {kwargs}", needle)
@@ -179,26 +180,88 @@ def test_planner_counts_the_format(tmp_path):
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def test_each_layers_experts_prefetch_the_next_ones(tiny_dir, tmp_path):
+    """The loader links each MoE layer's experts to the next one's, whose first experts a long chunk prefetches."""
+    model = load_model(tiny_dir(), rules=numba_rules(tmp_path), dtype=torch.float32)
+    experts = [m for m in model.modules() if isinstance(m, NumbaExperts)]
+    assert len(experts) > 1
+    assert [e.next_layer for e in experts] == experts[1:] + [None]
+
+
+def random_layers(n, fmt, group, E, H=128, I=64, gpu_ring=DEPTH, seed=7):
+    """n layers of E random experts as NumbaExperts (long chunks on the device from 4 tokens), each with its
+    dequantised w13 and w2 for moe_reference."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(n):
+        w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
+        (v13, s13), (v2, s2) = moe_cpu.quantize(w13, fmt, group), moe_cpu.quantize(w2, fmt, group)
+        layers.append((NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, fmt, group, threads=2, gpu_tokens=4,
+                                    gpu_ring=gpu_ring),
+                       moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group)))
+    return layers
+
+
+def check_on_device(layer, T, K, g, device=DEVICE):
+    """layer's on_device on a fresh routing of T tokens (some experts left out) against moe_reference."""
+    experts, w13, w2 = layer
+    E, H = w13.shape[0], w13.shape[2]
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=g)
+    got = experts.on_device(x.to(device), ids.to(device), weights.to(device)).cpu()
+    assert rel_err(got, moe_cpu.moe_reference(x, w13, w2, ids, weights)) < 1e-5
+    return ids
+
+
 @pytest.mark.parametrize("fmt, group", [("bf16", 128), ("int8", 32), ("int4", 64)])
 def test_experts_on_the_device_equal_the_reference(fmt, group):
     """Long prefill chunks: the layer computed where x lives, each expert's weights dequantised by the Triton
     kernel (on the CPU: its interpreter), against moe_reference on the same quantised weights (fp32). Two layers
     in turn, with more active experts than the GPU's ring holds (expert_ring.DEPTH): they share its slots."""
-    E, H, I, T, K = 3 * DEPTH, 128, 64, 16, 4
-    g = torch.Generator().manual_seed(7)
-    layers = []
-    for _ in range(2):
-        w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5, torch.randn(E, H, I, generator=g) * I**-0.5
-        (v13, s13), (v2, s2) = moe_cpu.quantize(w13, fmt, group), moe_cpu.quantize(w2, fmt, group)
-        layers.append((NumbaExperts({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, fmt, group, threads=2, gpu_tokens=4),
-                       moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group)))
-    for experts, w13, w2 in (layers[0], layers[1], layers[0]):
-        x = torch.randn(T, H, generator=g)
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        assert ids.unique().numel() > DEPTH
-        weights = torch.rand(T, K, generator=g)
-        got = experts.on_device(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)).cpu()
-        assert rel_err(got, moe_cpu.moe_reference(x, w13, w2, ids, weights)) < 1e-5
+    layers = random_layers(2, fmt, group, E=3 * DEPTH)
+    g = torch.Generator().manual_seed(8)
+    for layer in (layers[0], layers[1], layers[0]):
+        assert check_on_device(layer, 16, 4, g).unique().numel() > DEPTH
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth", [4, 64])
+def test_prefetched_experts_equal_the_reference(depth):
+    """Each layer prefetches the next's first experts (linked in a cycle here), into a ring of 4
+    slots or one holding a whole layer: results equal the reference when the next layer comes as linked, when a
+    layer comes out of turn (what was prefetched for another is dropped), and when routings leave out some of
+    the prefetched experts."""
+    layers = random_layers(3, "int4", 32, E=48, gpu_ring=depth)
+    for (a, *_), (b, *_) in zip(layers, layers[1:] + layers[:1]):
+        a.set_next_layer(b)
+    g = torch.Generator().manual_seed(9)
+    for i in (0, 1, 2, 0, 0, 2, 1):
+        assert check_on_device(layers[i], 6, 4, g).unique().numel() < 48  # some prefetched experts not routed
+
+
+@pytest.mark.gpu
+def test_the_next_layers_transfers_run_under_the_gpus_work():
+    """The overlap itself: once a layer's long chunk is queued, the next layer's experts (a whole layer: the
+    ring holds 64) arrive on the GPU while the compute stream is still busy with later work (here 0.5 s or so of
+    matmuls, in place of the next attention), before the next layer's on_device is called."""
+    first, second = random_layers(2, "int4", 32, E=48, gpu_ring=64)
+    b = second[0]
+    first[0].set_next_layer(b)
+    g = torch.Generator().manual_seed(10)
+    check_on_device(first, 16, 8, g)
+    m = torch.randn(4096, 4096, device="cuda")
+    for _ in range(200):
+        busy = m @ m
+    done = torch.cuda.Event()
+    done.record()
+    queue = ExpertRing.on(torch.device("cuda", 0), b._packed(), 64).queue
+    assert sorted(e for _, layer, e, _, _ in queue if layer is b) == list(range(48))
+    for *_, arrival in queue:
+        arrival.result().synchronize()
+    assert not done.query(), "the GPU finished its work before the next layer's experts arrived"
+    assert busy.isfinite().all()
+    check_on_device(second, 16, 8, g)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from glm5_offload.expert_ring import DEPTH
 from glm5_offload.loader import PlanError, load_model
 from glm5_offload.model import build_model
 from glm5_offload.planner import active_expert_weights, make_plan, parse_size
-from glm5_offload.rules import load_rules, place
+from glm5_offload.rules import load_rules, place, resolve_rules_path
 
 GiB = 2**30
 
@@ -71,6 +71,18 @@ def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
     assert cuda.per_token == 78 * 8 + 656 + 1152 + 21 * 132 and cpu.per_token == 78 * 656
     expert = 3 * 6144 * 2048  # gpu_tokens: the ring of DEPTH int4 experts, one expert dequantised to bf16
     assert cuda.workspace == 3 * 2**26 * 4 + DEPTH * (expert // 2 + expert // 128 * 4) + expert * 2
+
+
+def test_gpu_ring_sets_the_experts_held_on_the_gpu(tmp_path):
+    """gpu_ring: a whole layer (256 experts) on the GPU takes 256 packed experts' room instead of DEPTH's."""
+    text = resolve_rules_path("glm5-1m").read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256")
+    (tmp_path / "ring.yaml").write_text(text)
+    config = load_config("glm-5.2")
+    ring = make_plan(config, place(meta_model("glm-5.2"), load_rules(tmp_path / "ring.yaml")), 1_000_000,
+                     {"cuda": 48 * GiB, "cpu": 512 * GiB})
+    base = make_plan(*placed("glm-5.2", "glm5-1m"), 1_000_000, {"cuda": 48 * GiB, "cpu": 512 * GiB})
+    packed = 3 * 6144 * 2048 // 2 + 3 * 6144 * 2048 // 128 * 4  # one int4/g128 expert
+    assert device(ring, "cuda").workspace - device(base, "cuda").workspace == (256 - DEPTH) * packed
 
 
 def test_glm5_fp8_at_200k_tokens():
