@@ -154,11 +154,19 @@ def sequence(arrays: dict, args) -> list[dict]:
                     layer.on_device(x, ids, w)
                 torch.cuda.synchronize()
                 per_layer = (time.perf_counter() - t0) * 1e3 / args.layers
+                ring = ExpertRing.on(x.device, layers[0]._packed(), depth)
+                attention()  # untimed: what of the next layer is staged and on the GPU once its attention is done
+                torch.cuda.current_stream().synchronize()
+                ready = [f for *_, f in ring.queue]
+                staged = sum(f.done() for f in ready)
+                arrived = sum(f.done() and f.result().query() for f in ready)
+                layers[0].on_device(x, ids, w)
                 row = {"ring": depth, "attention_ms": attention_ms, "prefetch": prefetch, "layer_ms": per_layer,
-                       "exposed_experts_ms": per_layer - attention_ms, "h2d_ceiling_ms": ceiling_ms}
+                       "exposed_experts_ms": per_layer - attention_ms, "h2d_ceiling_ms": ceiling_ms,
+                       "queued_at_attention_end": len(ready), "staged": staged, "arrived": arrived}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                for *_, arrival in ExpertRing.on(x.device, layers[0]._packed(), depth).queue:  # the last prefetch
+                for *_, arrival in ring.queue:  # the last prefetch
                     arrival.result()
     print(f"\n{args.layers} layers of {args.format}/g{args.group} ({layer_bytes / 2**30:.2f} GiB each) in turn on "
           f"{args.tokens} tokens; pinned H2D {h2d:.1f} GB/s, so {ceiling_ms:.0f} ms per layer at best without overlap")

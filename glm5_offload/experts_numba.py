@@ -124,10 +124,10 @@ class NumbaExperts(nn.Module):
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
         self.gpu_ring = gpu_ring  # experts the GPU holds at once for them (expert_ring.py)
         self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (the loader's)
+        self._pinned: dict[str, torch.Tensor] = {}
 
     def set_next_layer(self, following: "NumbaExperts"):
         self.__dict__["next_layer"] = following  # not a submodule (one module, two parents)
-        self._pinned: dict[str, torch.Tensor] = {}
 
     def extra_repr(self) -> str:
         return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
