@@ -16,10 +16,8 @@ against the H2D ceiling (the layer's bytes at the pinned copy speed) and the lay
 """
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -44,7 +42,7 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true",
                         help="also profile the GPU path on the last chunk (torch.profiler: host and GPU time per op)")
     parser.add_argument("--sequence", action="store_true", help="measure the next layer's prefetch (see above)")
-    parser.add_argument("--trace", help="with --sequence --profile: the profiled layer's Chrome trace, written here")
+    parser.add_argument("--trace", help="with --sequence --profile: the profiled sequence's Chrome trace, written here")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--rings", default="8,256")
@@ -127,28 +125,20 @@ def stand_in(ms: float):
     return attention
 
 
-def profile_layer(layers, attention, x, ids, w, trace: str | None):
-    """torch.profiler over one layer's on_device whose experts were prefetched and arrived (the work left)."""
-    attention()
-    layers[-1].on_device(x, ids, w)  # prefetches layers[0]
-    attention()
+def profile_sequence(layers, attention, x, ids, w, trace: str | None):
+    """torch.profiler over the layers in turn (each after its attention stand-in), as timed; its Chrome trace
+    shows the compute stream, the copy stream and the staging thread side by side."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        layers[0].on_device(x, ids, w)
+        for layer in layers:
+            attention()
+            layer.on_device(x, ids, w)
         torch.cuda.synchronize()
-    print(f"profiled layer, experts on the GPU already: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
-    for key in ("self_cpu_time_total", "self_device_time_total"):
-        print(prof.key_averages().table(sort_by=key, row_limit=14), flush=True)
+    print(f"profiled: {(time.perf_counter() - t0) * 1e3 / len(layers):.1f} ms per layer", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12), flush=True)
     if trace:
         prof.export_chrome_trace(trace)
-    attention()
-    layers[1].on_device(x, ids, w)  # prefetches layers[2]
-    attention()
-    torch.cuda.synchronize()
-    stats = cProfile.Profile()
-    stats.runcall(lambda: (layers[2].on_device(x, ids, w), torch.cuda.synchronize()))
-    pstats.Stats(stats).sort_stats("tottime").print_stats(18)
 
 
 def sequence(arrays: dict, args) -> list[dict]:
@@ -194,7 +184,7 @@ def sequence(arrays: dict, args) -> list[dict]:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.profile and prefetch:
-                    profile_layer(layers, attention, x, ids, w, args.trace)
+                    profile_sequence(layers, attention, x, ids, w, args.trace)
                 for *_, arrival in ring.queue:  # the last prefetch
                     arrival.result()
     print(f"\n{args.layers} layers of {args.format}/g{args.group} ({layer_bytes / 2**30:.2f} GiB each) in turn on "

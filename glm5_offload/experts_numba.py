@@ -179,7 +179,10 @@ class NumbaExperts(nn.Module):
 
         def routed(e: int) -> int:  # the one host sync comes with the first call: after the first copies are queued
             if not counts:
-                counts.extend(torch.bincount(ids.flatten(), minlength=n_experts).tolist())
+                per_expert = torch.bincount(ids.flatten(), minlength=n_experts)
+                if per_expert.is_cuda:  # wait here, not in tolist(), which holds the GIL (stalling the ring's staging
+                    torch.cuda.current_stream(per_expert.device).synchronize()  # thread) while the GPU catches up
+                counts.extend(per_expert.tolist())
                 starts.extend(accumulate(counts))
             return counts[e]
 
