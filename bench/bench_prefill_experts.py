@@ -128,7 +128,8 @@ def stand_in(ms: float):
 def profile_sequence(layers, attention, x, ids, w, trace: str | None):
     """torch.profiler over the layers in turn (each after its attention stand-in), as timed; its Chrome trace
     shows the compute stream, the copy stream and the staging thread side by side."""
-    torch.cuda.synchronize()
+    attention()
+    layers[-1].on_device(x, ids, w)  # prefetches layers[0], as in the timed runs
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for layer in layers:
