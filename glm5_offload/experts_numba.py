@@ -178,10 +178,13 @@ class NumbaExperts(nn.Module):
         ahead = min(self.gpu_ring - 1, n_experts)
 
         def routed(e: int) -> int:  # the one host sync comes with the first call: after the first copies are queued
-            if not counts:
-                per_expert = torch.bincount(ids.flatten(), minlength=n_experts)
-                if per_expert.is_cuda:  # wait here, not in tolist(), which holds the GIL (stalling the ring's staging
-                    torch.cuda.current_stream(per_expert.device).synchronize()  # thread) while the GPU catches up
+            if not counts:  # bincount and tolist wait for the GPU inside a device-to-host copy, which stalls the
+                # ring's staging thread until the GPU's queue is done; a scatter and a stream sync let it go on
+                flat = ids.flatten()
+                per_expert = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device)
+                per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+                if per_expert.is_cuda:
+                    torch.cuda.current_stream(per_expert.device).synchronize()
                 counts.extend(per_expert.tolist())
                 starts.extend(accumulate(counts))
             return counts[e]
