@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
         [--rules glm5-1m --gpu-ring 256] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
-        [--peer all,offload] [--json FILE]
+        [--peer all,offload] [--prefill-only] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
 bench`'s measurement (benchmark.run_benchmark); with --peer, transformers on the same checkpoint
@@ -24,7 +24,7 @@ import bench_experts
 import bench_peer
 import torch
 
-from glm5_offload.benchmark import format_table, run_benchmark
+from glm5_offload.benchmark import format_table, prefill_split, random_prompt, run_benchmark
 from glm5_offload.config import load_config
 from glm5_offload.engine import Engine
 from glm5_offload import cache_dir
@@ -46,10 +46,16 @@ def expert_format(model) -> tuple[str, int] | None:
     return None
 
 
-def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int) -> tuple[dict, tuple | None]:
+def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
+                  prefill_only: bool = False) -> tuple[dict, tuple | None]:
     max_seq_len = context + 2 * new_tokens  # the split's run extends the first one (as `glm5 bench`)
     model = load_model(model_dir, rules=rules, max_seq_len=max_seq_len)
-    result = run_benchmark(Engine(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk), context, new_tokens)
+    engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk)
+    if prefill_only:
+        result = {"context": context, "prefill_split_s": prefill_split(engine, random_prompt(engine, context))}
+        print(json.dumps(result), flush=True)
+    else:
+        result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)
     del model
     if torch.cuda.is_available():
@@ -138,6 +144,8 @@ def main(argv=None):
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=16384)
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only the prefill's synchronised split and its projection (no decode runs)")
     parser.add_argument("--peer", default="", help="transformers modes beside ours: all, offload (bench_peer.py)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
@@ -153,10 +161,12 @@ def main(argv=None):
         config = configs[n] = load_config(model_dir)
         runs[n], moe[n] = [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):
-            result, fmt = bench_context(model_dir, rules, context, args.new_tokens, args.prefill_chunk)
-            print(format_table(result), flush=True)
+            result, fmt = bench_context(model_dir, rules, context, args.new_tokens, args.prefill_chunk,
+                                        args.prefill_only)
+            if not args.prefill_only:
+                print(format_table(result), flush=True)
             runs[n].append(result)
-        for mode in filter(None, args.peer.split(",") if n == counts[0] else []):
+        for mode in filter(None, args.peer.split(",") if n == counts[0] and not args.prefill_only else []):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             peer = bench_peer.run(str(model_dir), device, mode == "offload", runs[n][0]["context"], 4)
             ours = runs[n][0]["decode_ms_per_token"] / config.num_hidden_layers
@@ -169,7 +179,7 @@ def main(argv=None):
                 shutil.rmtree(ExpertCache(cache_dir() / "experts", model_dir, *fmt).folder, ignore_errors=True)
             shutil.rmtree(model_dir)
     results, measured_moe, layers = runs[counts[0]], moe[counts[0]], counts[0]
-    marginal = marginal_layer(runs, moe) if len(counts) == 2 else None
+    marginal = marginal_layer(runs, moe) if len(counts) == 2 and not args.prefill_only else None
     if marginal:
         print("\none more MoE layer, from the checkpoints' difference (decode from CUDA graphs)")
         print("| context | step ms per MoE layer | CPU experts ms | step / experts (goal <= 1.15) | fixed ms |")
@@ -178,17 +188,19 @@ def main(argv=None):
             experts = "-" if m["moe_layer_experts_ms"] is None else f"{m['moe_layer_experts_ms']:.2f}"
             ratio = "-" if m["step_over_experts"] is None else f"{m['step_over_experts']:.2f}x"
             print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} |")
-    read_gb_s = bench_experts.read_bandwidth_gb_s()
-    rows = projection(results, measured_moe, fmt, read_gb_s, marginal)
-    basis = "fixed part + one MoE layer's step per MoE layer" if marginal else "the whole step per MoE layer"
-    print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read {read_gb_s:.0f} GB/s; "
-          f"{basis}")
-    print("| model | context | measured ms/token | projected ms/token | tok/s | host-BW bound tok/s | of bound |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for p in rows:
-        bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
-        print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | {p['projected_ms_per_token']:.0f} | "
-              f"{p['projected_tok_s']:.2f} | {bound} |")
+    read_gb_s, rows = None, []
+    if not args.prefill_only:
+        read_gb_s = bench_experts.read_bandwidth_gb_s()
+        rows = projection(results, measured_moe, fmt, read_gb_s, marginal)
+        basis = "fixed part + one MoE layer's step per MoE layer" if marginal else "the whole step per MoE layer"
+        print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read "
+              f"{read_gb_s:.0f} GB/s; {basis}")
+        print("| model | context | measured ms/token | projected ms/token | tok/s | host-BW bound tok/s | of bound |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for p in rows:
+            bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
+            print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | "
+                  f"{p['projected_ms_per_token']:.0f} | {p['projected_tok_s']:.2f} | {bound} |")
     prefill_rows = prefill_projection(results[-1], configs[counts[0]])
     print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of {args.prefill_chunk})")
     print("| model | context | indexer s | rest of attention and other s | experts s | projected prefill |")

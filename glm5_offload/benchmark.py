@@ -30,20 +30,35 @@ def parts(timeline: Timeline, seconds: float) -> dict[str, float]:
     return split
 
 
+def random_prompt(engine: Engine, context: int, seed: int = 0) -> list[int]:
+    vocab = engine.model.config.vocab_size
+    return torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_split(engine: Engine, prompt: list[int]) -> dict[str, float]:
+    """The prompt prefilled afresh under a Timeline: seconds of each part, the indexer's apart."""
+    engine.reset()
+    with Timeline() as timeline:
+        fresh = engine.generate(prompt, 1)
+    split = parts(timeline, fresh.prefill_seconds)
+    split["of which indexer"] = timeline.seconds.get("indexer", 0.0)
+    return split
+
+
 def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) -> dict:
     """context random prompt tokens, then new_tokens greedy ones: the runs of the module's text."""
     model = engine.model
-    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(seed))
+    prompt = random_prompt(engine, context, seed)
     engine.stop_ids = set()
     engine.reset()
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    first = engine.generate(prompt.tolist(), new_tokens)
+    first = engine.generate(prompt, new_tokens)
     graphs = engine.graphs
     if graphs is not None:
         seconds, steps = dict(graphs.seconds), graphs.steps
-    again = engine.generate(prompt.tolist(), new_tokens)  # the same positions: decode speed, graphs warm
+    again = engine.generate(prompt, new_tokens)  # the same positions: decode speed, graphs warm
     graph_split = None
     if graphs is not None:
         n = graphs.steps - steps
@@ -56,11 +71,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
             # greedy tokens of a random model), so all but one token are cached and no new shape compiles here
             third = engine.generate(again.prompt_ids + again.output_ids, new_tokens)
     split = parts(timeline, third.prefill_seconds + third.decode_seconds)  # new_tokens forwards, 1 token each
-    engine.reset()
-    with Timeline() as timeline:
-        fresh = engine.generate(prompt.tolist(), 1)
-    prefill_split = parts(timeline, fresh.prefill_seconds)
-    prefill_split["of which indexer"] = timeline.seconds.get("indexer", 0.0)
+    prefill = prefill_split(engine, prompt)
     return {
         "model": str(Path(model.config.path).parent), "context": context, "new_tokens": new_tokens,
         "prefill_tokens_per_s": first.prefill_tokens_per_s,
@@ -70,7 +81,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "graph_split_ms_per_token": graph_split,
         "split_ms_per_token": {k: v / new_tokens * 1e3 for k, v in split.items()},
         "split_prefilled_tokens": third.prefilled_tokens,
-        "prefill_split_s": prefill_split,
+        "prefill_split_s": prefill,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }

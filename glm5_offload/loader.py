@@ -228,7 +228,7 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
         slot.module = slot.op.build(slot, lazy, config, model_dir)
         setattr(model.get_submodule(parent), child, slot.module)
     experts = [s.module for s in built if isinstance(s.module, NumbaExperts)]
-    for layer, following in zip(experts, experts[1:]):
+    for layer, following in zip(experts, experts[1:] + experts[:1]):  # the last one's: the next chunk's first
         layer.set_next_layer(following)
     for name, t in tensors.items():
         target = placement.slot_of(name).device

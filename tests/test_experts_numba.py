@@ -181,11 +181,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_each_layers_experts_prefetch_the_next_ones(tiny_dir, tmp_path):
-    """The loader links each MoE layer's experts to the next one's, whose first experts a long chunk prefetches."""
+    """The loader links each MoE layer's experts to the next one's, whose first experts a long chunk prefetches;
+    the last layer's to the first (the next chunk's)."""
     model = load_model(tiny_dir(), rules=numba_rules(tmp_path), dtype=torch.float32)
     experts = [m for m in model.modules() if isinstance(m, NumbaExperts)]
     assert len(experts) > 1
-    assert [e.next_layer for e in experts] == experts[1:] + [None]
+    assert [e.next_layer for e in experts] == experts[1:] + experts[:1]
 
 
 def random_layers(n, fmt, group, E, H=128, I=64, gpu_ring=DEPTH, seed=7):
@@ -228,7 +229,7 @@ def test_experts_on_the_device_equal_the_reference(fmt, group):
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth", [4, 64])
 def test_prefetched_experts_equal_the_reference(depth):
-    """Each layer prefetches the next's first experts (linked in a cycle here), into a ring of 4
+    """Each layer prefetches the next's first experts as the loader links them (in a cycle), into a ring of 4
     slots or one holding a whole layer: results equal the reference when the next layer comes as linked, when a
     layer comes out of turn (what was prefetched for another is dropped), and when routings leave out some of
     the prefetched experts."""
