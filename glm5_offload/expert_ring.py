@@ -91,14 +91,16 @@ class ExpertRing:
                 return
             n, s, p = self.staged, self.staged % self.depth, self.staged % PINNED
             self.staged += 1
-            self.queue.append((n, layer, e, s, self.stager.submit(self._copy, {k: a[e] for k, a in arrays.items()}, p, s)))
+            arrival = self.stager.submit(self._copy, {k: a[e] for k, a in arrays.items()}, p, s)
+            self.queue.append((n, layer, e, s, arrival))
 
     def prefetch(self, layer, arrays: dict[str, np.ndarray], experts: Iterable[int]) -> None:
         """Start moving `layer`'s first `experts` (as many as slots are free) before its stream() is called:
         their transfers then run under whatever the GPU does until then (the layer's attention)."""
         self._fill(layer, arrays, iter(experts))
 
-    def stream(self, layer, arrays: dict[str, np.ndarray], experts: Iterable[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    def stream(self, layer, arrays: dict[str, np.ndarray],
+               experts: Iterable[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Yield (e, expert e's arrays on the device), usable on the current stream: first the experts of `layer`
         prefetched, then each e of `experts` not among them, in order. Queue the work on one before asking for
         the next: its slot is then handed back to the copies. `experts` is drawn as far ahead as slots are free
