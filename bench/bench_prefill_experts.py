@@ -28,9 +28,16 @@ from torch.profiler import ProfilerActivity, profile
 import bench_experts
 import ceilings
 from glm5_offload.expert_ring import ExpertRing
-from glm5_offload.experts_numba import NumbaExperts
+from glm5_offload.experts_numba import NumbaExperts, chain_layers
 
 HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8
+
+
+def pinned_h2d_gb_s() -> float:
+    """The copy speed of 1 GiB from pinned host memory to the GPU."""
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    return (1 << 30) / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
 
 
 def main(argv=None):
@@ -56,9 +63,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     h2d = None
     if cuda:
-        src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-        dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        h2d = (1 << 30) / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
+        h2d = pinned_h2d_gb_s()
         w13 = torch.from_numpy(v13[0])  # one expert's packed w13 into a pinned buffer, as the GPU path stages it
         pinned = torch.empty(w13.shape, dtype=w13.dtype).pin_memory()
 
@@ -127,7 +132,8 @@ def stand_in(ms: float):
 
 def profile_sequence(layers, attention, x, ids, w, trace: str | None):
     """torch.profiler over the layers in turn (each after its attention stand-in), as timed; its Chrome trace
-    shows the compute stream, the copy stream and the staging thread side by side."""
+    shows the compute stream, the copy stream and the calling thread's ops side by side (not the staging
+    thread's: the profiler records the thread that started it)."""
     attention()
     layers[-1].on_device(x, ids, w)  # prefetches layers[0], as in the timed runs
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -146,9 +152,7 @@ def sequence(arrays: dict, args) -> list[dict]:
     """Layers in turn on one chunk (see the module's docstring): the same random weights, a layer object each,
     so each layer's experts move again as they would from their own memory."""
     layer_bytes = sum(a.nbytes for a in arrays.values())
-    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    h2d = (1 << 30) / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
+    h2d = pinned_h2d_gb_s()
     ceiling_ms = layer_bytes / h2d / 1e6
     x = torch.randn(args.tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(args.tokens, EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].contiguous()
@@ -161,8 +165,7 @@ def sequence(arrays: dict, args) -> list[dict]:
                 layers = [NumbaExperts(arrays, args.format, args.group, None, gpu_tokens=1, gpu_ring=depth)
                           for _ in range(args.layers)]
                 if prefetch:
-                    for layer, following in zip(layers, layers[1:] + layers[:1]):
-                        layer.set_next_layer(following)
+                    chain_layers(layers)
                 attention()
                 layers[-1].on_device(x, ids, w)  # warm: kernels, the ring's buffers; the first layer prefetched
                 torch.cuda.synchronize()

@@ -123,11 +123,8 @@ class NumbaExperts(nn.Module):
         self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
         self.gpu_ring = gpu_ring  # experts the GPU holds at once for them (expert_ring.py)
-        self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (the loader's)
+        self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (chain_layers)
         self._pinned: dict[str, torch.Tensor] = {}
-
-    def set_next_layer(self, following: "NumbaExperts"):
-        self.__dict__["next_layer"] = following  # not a submodule (one module, two parents)
 
     def extra_repr(self) -> str:
         return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
@@ -242,6 +239,12 @@ class NumbaExperts(nn.Module):
 
     def forward(self, x, ids, weights):
         return self.finish(self.begin(x, ids, weights))
+
+
+def chain_layers(layers: list[NumbaExperts]):
+    """Each layer's long chunks prefetch the next one's experts; the last layer's, the first's (the next chunk's)."""
+    for layer, following in zip(layers, layers[1:] + layers[:1]):
+        layer.__dict__["next_layer"] = following  # not a submodule (one module, two parents)
 
 
 class NumbaExpertsOperator(Operator):

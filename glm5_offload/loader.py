@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .config import ModelConfig, load_config
 from .errors import Glm5Error
-from .experts_numba import NumbaExperts
+from .experts_numba import NumbaExperts, chain_layers
 from .kv_cache import latent_layout
 from .model import Attention, CausalLM, build_model
 from .planner import detected_budgets, make_plan
@@ -227,9 +227,7 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
         parent, _, child = slot.name.rpartition(".")
         slot.module = slot.op.build(slot, lazy, config, model_dir)
         setattr(model.get_submodule(parent), child, slot.module)
-    experts = [s.module for s in built if isinstance(s.module, NumbaExperts)]
-    for layer, following in zip(experts, experts[1:] + experts[:1]):  # the last one's: the next chunk's first
-        layer.set_next_layer(following)
+    chain_layers([s.module for s in built if isinstance(s.module, NumbaExperts)])
     for name, t in tensors.items():
         target = placement.slot_of(name).device
         tensors[name] = t.to(target, torch.float32 if name.endswith(KEEP_FP32) else dtype)

@@ -9,7 +9,7 @@ import torch
 from glm5_offload import experts_numba
 from glm5_offload.errors import Glm5Error
 from glm5_offload.expert_ring import DEPTH, ExpertRing
-from glm5_offload.experts_numba import NumbaExperts
+from glm5_offload.experts_numba import NumbaExperts, chain_layers
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
@@ -234,8 +234,7 @@ def test_prefetched_experts_equal_the_reference(depth):
     layer comes out of turn (what was prefetched for another is dropped), and when routings leave out some of
     the prefetched experts."""
     layers = random_layers(3, "int4", 32, E=48, gpu_ring=depth)
-    for (a, *_), (b, *_) in zip(layers, layers[1:] + layers[:1]):
-        a.set_next_layer(b)
+    chain_layers([experts for experts, *_ in layers])
     g = torch.Generator().manual_seed(9)
     for i in (0, 1, 2, 0, 0, 2, 1):
         assert check_on_device(layers[i], 6, 4, g).unique().numel() < 48  # some prefetched experts not routed
@@ -248,7 +247,7 @@ def test_the_next_layers_transfers_run_under_the_gpus_work():
     matmuls, in place of the next attention), before the next layer's on_device is called."""
     first, second = random_layers(2, "int4", 32, E=48, gpu_ring=64)
     b = second[0]
-    first[0].set_next_layer(b)
+    chain_layers([first[0], b])
     g = torch.Generator().manual_seed(10)
     check_on_device(first, 16, 8, g)
     m = torch.randn(4096, 4096, device="cuda")
