@@ -64,10 +64,10 @@ def _engine(args, tokenizer_required: bool):
     import torch
 
     from glm5_offload.config import load_config
-    from glm5_offload.engine import Engine, SamplingParams
+    from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.loader import load_model
-    from glm5_offload.planner import parse_size
     from glm5_offload.rules import load_rules
+    from glm5_offload.util import parse_size
 
     if args.cpu_threads is not None:
         if args.cpu_threads < 1:
@@ -185,7 +185,8 @@ def cmd_rules_show(args):
 
 
 def cmd_plan(args):
-    from glm5_offload.planner import detected_budgets, make_plan, parse_size
+    from glm5_offload.planner import detected_budgets, make_plan
+    from glm5_offload.util import parse_size
 
     config, placement, dtype = _placement(args)
     budgets = detected_budgets()

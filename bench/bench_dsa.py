@@ -16,8 +16,8 @@ import torch
 import triton
 
 import ceilings
-from glm5_offload.kernels import dsa_triton, topk_triton
-from glm5_offload.kv_cache import quantize_latent
+from glm5_offload.formats.kv_rows import quantize_keys, quantize_latent
+from glm5_offload.kernels import dsa_triton
 from glm5_offload.model import indexer_scores, sparse_mla
 
 H_IDX, D_IDX, H, L, R, TOPK = 32, 128, 64, 512, 64, 2048
@@ -28,7 +28,7 @@ def indexer_inputs(S, T, fp8=False):
     keys = torch.randn(T, D_IDX, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(S, H_IDX, device="cuda")
     if fp8:
-        k8, scales = dsa_triton.quantize_keys_reference(keys)
+        k8, scales = quantize_keys(keys)
         return q, k8, w, {"key_scales": scales}, T * (D_IDX + 4) + S * T * 4
     return q, keys, w, {}, T * D_IDX * 2 + S * T * 4
 
@@ -167,9 +167,7 @@ def main(sweep: bool = False):
                   f"{flops / ms / 1e9 / mm:.0%} of matmul (torch {ref:.1f} ms)"))
     row = torch.randn(1048576, device="cuda")
     rows["topk_torch_1m_us"] = ceilings.graph_ms(lambda: row.topk(TOPK)) * 1e3
-    rows["topk_triton_1m_us"] = ceilings.time_ms(lambda: topk_triton.topk_indices(row[None], TOPK)) * 1e3
-    table.append(("top-k 2048 of one 1M row", f"torch.topk {rows['topk_torch_1m_us']:.0f} us from a graph "
-                  f"(the radix-select kernel: {rows['topk_triton_1m_us']:.0f} us eager)"))
+    table.append(("top-k 2048 of one 1M row", f"torch.topk {rows['topk_torch_1m_us']:.0f} us from a graph"))
     for fp8 in (False, True):
         for S in (1, 32):
             ms, graph, ref, _ = mla_case(S, 131072, fp8)

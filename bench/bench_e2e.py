@@ -26,13 +26,14 @@ import torch
 
 from glm5_offload.benchmark import format_table, prefill_split, random_prompt, run_benchmark
 from glm5_offload.config import load_config
-from glm5_offload.engine import Engine
-from glm5_offload import cache_dir
-from glm5_offload.experts_numba import ExpertCache, NumbaExperts
+from glm5_offload.errors import Glm5Error
+from glm5_offload.formats.int_groups import nbytes
 from glm5_offload.loader import load_model
-from glm5_offload.planner import active_expert_weights, expert_bytes
+from glm5_offload.ops.experts_numba import NumbaExperts, expert_store
 from glm5_offload.rules import RuleFile, load_rules
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.tiny import make_tiny
+from glm5_offload.util import cache_dir
 
 TARGETS = ("glm-5", "glm-5.2")
 
@@ -71,7 +72,7 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
     for target in TARGETS:
         config = load_config(target)
         moe = len(config.moe_layers)
-        bound_ms = None if fmt is None else expert_bytes(active_expert_weights(config), *fmt) / read_gb_s / 1e6
+        bound_ms = None if fmt is None else nbytes(config.active_expert_weights, *fmt) / read_gb_s / 1e6
         for i, r in enumerate(results):
             ms = (marginal[i]["fixed_ms"] + moe * marginal[i]["moe_layer_ms"] if marginal
                   else r["decode_ms_per_token"] * moe / measured_moe)
@@ -120,9 +121,10 @@ def with_gpu_ring(rules: RuleFile, depth: int) -> RuleFile:
     changed = []
     for rule in rules.rules:
         if rule.op is not None and rule.op.name == "experts.numba":
-            kwargs = {**rule.kwargs, "gpu_ring": depth}
-            if problem := rule.op.check_kwargs(kwargs):
-                raise SystemExit(f"--gpu-ring: {problem}")
+            try:
+                kwargs = rule.op.parse_kwargs({**rule.kwargs, "gpu_ring": depth})
+            except Glm5Error as e:
+                raise SystemExit(f"--gpu-ring: {e}") from None
             rule = dataclasses.replace(rule, kwargs=kwargs)
         changed.append(rule)
     return dataclasses.replace(rules, rules=tuple(changed))
@@ -176,7 +178,7 @@ def main(argv=None):
                   f"ms/layer, ours {ours:.2f}: {peer['our_decode_speedup_per_layer']:.1f}x", flush=True)
         if args.discard:
             if fmt:
-                shutil.rmtree(ExpertCache(cache_dir() / "experts", model_dir, *fmt).folder, ignore_errors=True)
+                shutil.rmtree(expert_store(cache_dir() / "experts", model_dir, *fmt).folder, ignore_errors=True)
             shutil.rmtree(model_dir)
     results, measured_moe, layers = runs[counts[0]], moe[counts[0]], counts[0]
     marginal = marginal_layer(runs, moe) if len(counts) == 2 and not args.prefill_only else None

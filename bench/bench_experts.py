@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 
 HIDDEN, INTER, TOP_K = 6144, 2048, 8
@@ -58,7 +59,7 @@ def random_layer(fmt: str, experts: int, group: int, seed: int = 0):
 
     def values(rows, cols):
         if fmt == "bf16":  # bf16 bit patterns of N(0, 1/sqrt(cols)): build per expert through torch
-            return np.stack([moe_cpu.quantize(torch.randn(1, rows, cols) * cols**-0.5, "bf16")[0][0]
+            return np.stack([int_groups.quantize(torch.randn(1, rows, cols) * cols**-0.5, "bf16")[0][0]
                              for _ in range(experts)])
         if fmt == "int8":
             return rng.integers(-127, 128, size=(experts, rows, cols), dtype=np.int8)
@@ -90,8 +91,8 @@ def torch_baseline(fmt, group, layer, x, ids, weights):
                 h = torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]
                 out[t] += w * torch.nn.functional.linear(h.bfloat16(), b).float()
             else:
-                a = moe_cpu.dequantize(w13[e : e + 1], s13[e : e + 1], fmt, group)[0]
-                b = moe_cpu.dequantize(w2[e : e + 1], s2[e : e + 1], fmt, group)[0]
+                a = int_groups.dequantize(w13[e : e + 1], s13[e : e + 1], fmt, group)[0]
+                b = int_groups.dequantize(w2[e : e + 1], s2[e : e + 1], fmt, group)[0]
                 gu = a @ xt[t]
                 out[t] += w * (b @ (torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]))
     return out.numpy()

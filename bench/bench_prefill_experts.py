@@ -27,8 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import bench_experts
 import ceilings
-from glm5_offload.expert_ring import ExpertRing
-from glm5_offload.experts_numba import NumbaExperts, chain_layers
+from glm5_offload.ops.expert_ring import ExpertRing
+from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 
 HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8
 

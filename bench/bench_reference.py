@@ -5,13 +5,13 @@ These are the figures the Triton and numba paths are measured against. Weights a
 """
 
 from importlib import resources
-from types import SimpleNamespace
 
 import torch
 
 from glm5_offload.config import load_config
-from glm5_offload.model import DecoderLayer
-from glm5_offload.rope import cos_sin, inv_freq_and_scaling
+from glm5_offload.model import DecoderLayer, LatentLayout, Pass, run_steps
+from glm5_offload.model.rope import cos_sin, inv_freq_and_scaling
+from glm5_offload.runtime.kv_cache import KVCache
 
 from ceilings import time_ms
 
@@ -52,18 +52,25 @@ def layer_weight_bytes(config, layer) -> tuple[int, int]:
 def bench_layer(context: int, prefill_chunk: int = 512):
     config = glm5_config()
     layer = random_layer(config)
-    device, dtype = "cuda", torch.bfloat16
-    cache = SimpleNamespace(
-        latent={LAYER: torch.randn(context + prefill_chunk, config.latent_dim, device=device, dtype=dtype)},
-        index_keys={LAYER: torch.randn(context + prefill_chunk, config.index_head_dim, device=device, dtype=dtype)},
-    )
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    layout = LatentLayout(device, device if layer.self_attn.indexer is not None else None)
+    cache = KVCache(config, context + prefill_chunk, [layout] * (LAYER + 1), dtype)  # layers below LAYER unused
+    cache.latent[LAYER].normal_()
+    cache.index_keys[LAYER].normal_()
     inv_freq, scaling = inv_freq_and_scaling(config)
     results = {}
     for name, n in (("decode", 1), ("prefill", prefill_chunk)):
         x = torch.randn(n, config.hidden_size, device=device, dtype=dtype)
-        cos, sin = cos_sin(inv_freq, scaling, torch.arange(context, context + n, device=device))
+        positions = torch.arange(context, context + n, device=device)
+        cos, sin = cos_sin(inv_freq, scaling, positions)
+
+        def run():
+            s = Pass(None, positions, context + n, cache)
+            s.x, s.cos, s.sin = x, cos, sin
+            run_steps(layer.steps(), s)
+
         with torch.no_grad():
-            ms = time_ms(lambda: layer(x, cos, sin, cache, context, None), warmup=2, iters=10)
+            ms = time_ms(run, warmup=2, iters=10)
         results[name] = ms
     other, experts = layer_weight_bytes(config, layer)
     latent_bytes = min(context, config.index_topk) * config.latent_dim * 2 + context * config.index_head_dim * 2

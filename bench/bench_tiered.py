@@ -24,12 +24,13 @@ import torch
 
 import ceilings
 from glm5_offload.config import load_config
+from glm5_offload.kernels.gather_rows import gather_rows_triton
 from glm5_offload.loader import load_model
 from glm5_offload.model import build_model
 from glm5_offload.planner import make_plan
 from glm5_offload.rules import load_rules, place
-from glm5_offload.tiered_kv import gather_rows_triton
 from glm5_offload.tiny import make_tiny
+from glm5_offload.runtime.kv_cache import new_cache
 
 GPU_CAP = 24 << 30
 
@@ -85,7 +86,7 @@ def run_context(model_dir: Path, rules: Path, context: int, kv_dtype: str, steps
                      max_seq, {"cuda": GPU_CAP, "cpu": None}, kv_dtype="fp8" if kv_dtype == "fp8" else None)
     model = load_model(model_dir, rules=placement_rules, max_seq_len=max_seq, budgets={"cuda": GPU_CAP})
     torch.cuda.reset_peak_memory_stats()
-    cache = model.new_cache(max_seq)
+    cache = new_cache(model, max_seq)
     prompt = torch.randint(0, 4096, (context,), generator=torch.Generator().manual_seed(context))
     from tqdm import tqdm
 
@@ -133,7 +134,7 @@ def equal_to_untiered(model_dir: Path, tmp: Path, kv_dtype: str, context: int = 
     for offload in (False, True):
         rules = load_rules(rules_file(tmp / f"equal-{offload}.yaml", kv_dtype, offload, "16MiB"))
         model = load_model(model_dir, rules=rules)
-        cache = model.new_cache(context + steps)
+        cache = new_cache(model, context + steps)
         for s in range(0, context, 2048):
             logits = model(prompt[s : s + 2048].cuda(), cache, logits_for="last")
         out = [logits]

@@ -20,7 +20,7 @@ import bench_experts
 import bench_reference
 import bench_tiered
 import ceilings
-from glm5_offload.engine import Engine
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
 from glm5_offload.tiny import make_tiny
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine
-from .timeline import Timeline
+from .runtime.engine import Engine
+from .util import Timeline
 
 PARTS = ("attention", "experts", "transfers")
 

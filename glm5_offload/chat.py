@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .engine import Engine, GenerationResult, SamplingParams
+from .runtime.engine import Engine, GenerationResult, SamplingParams
 from .errors import Glm5Error
 
 THINK_END = "</think>"

@@ -92,6 +92,11 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.mlp_layer_types) if t == "moe"]
 
+    @property
+    def active_expert_weights(self) -> int:
+        """Routed-expert weights one decode token reads: MoE layers x top-k x 3 matrices (22.6 G for GLM-5)."""
+        return len(self.moe_layers) * self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
+
 
 class _Fields:
     """Typed access to the raw JSON dict; every failure names the file and the field."""

@@ -1,70 +1,24 @@
 """The memory planner: bytes on each device for a config, a placement and a context length.
 
-Weights come from the placed operators and their formats; the latent KV cache lives with each
-layer's attention operator and the indexer keys with each full layer's indexer. Activations and
-workspace are estimates of one prefill chunk's temporaries. The plan says whether it fits and the
-largest context that would.
+Every placed operator declares the buffers it needs (ops/base.py `memory`): weights, cache per token, fixed
+buffers, buffers several slots share (counted once), workspace (a device's largest counts: operators run one at a
+time). The planner sums them, adds one prefill chunk's activations per device, and says whether it fits and the
+largest context that would. It knows no operator and no module class.
 """
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .config import ModelConfig
 from .errors import Glm5Error
-from .expert_ring import DEPTH
-from .kv_cache import LatentLayout, fp8_row_width, latent_layout
-from .model import _SCORE_BUDGET, Attention, Experts, Indexer
-from .operators import DTYPE_FORMATS
+from .formats.int_groups import BITS
+from .ops.base import Buffer, PlanContext
 from .rules import Placement
+from .util import human_bytes
 
 KV_DTYPES = ("fp8", "bf16", "fp32")
-SLOT_BYTES = 8  # a tiered layer's hot-slot table entry per token, on the device
-EXPERT_FORMATS = {"bf16": 16, "int8": 8, "int4": 4}  # bits per weight
-EXPERT_GROUP = 128  # weights per fp32 scale in the int formats
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'24GiB', '512G' (binary), '80GB' (decimal), '1.5TiB' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise Glm5Error(f"{flag}: {text!r} is not a size such as 24GiB, 512G or 80GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def human_bytes(n: int | float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def latent_row_bytes(config: ModelConfig, kv_dtype: str) -> int:
-    """One token's latent row in one layer: bf16 1152 B for GLM-5; FP8 656 B (e4m3 c, fp32 scale per 128, bf16 rope)."""
-    if kv_dtype == "fp8":
-        return fp8_row_width(config.kv_lora_rank, config.qk_rope_head_dim)
-    return config.latent_dim * (2 if kv_dtype == "bf16" else 4)
-
-
-def index_key_bytes(config: ModelConfig, kv_dtype: str) -> int:
-    """One token's indexer key in one full layer: FP8 132 B (e4m3 + one fp32 scale), bf16 256 B."""
-    if kv_dtype == "fp8":
-        return config.index_head_dim + 4
-    return config.index_head_dim * (2 if kv_dtype == "bf16" else 4)
-
-
-def expert_bytes(n_weights: int, fmt: str, group: int = EXPERT_GROUP) -> int:
-    """Weights in an expert format: the payload plus one fp32 scale per group for int8/int4."""
-    payload = n_weights * EXPERT_FORMATS[fmt] // 8
-    return payload if fmt == "bf16" else payload + n_weights // group * 4
-
-
-def active_expert_weights(config: ModelConfig) -> int:
-    """Routed-expert weights one decode token reads: MoE layers x top-k x 3 matrices."""
-    return len(config.moe_layers) * config.num_experts_per_tok * 3 * config.hidden_size * config.moe_intermediate_size
+ACTIVATION_BYTES = 4  # a prefill chunk's activations are counted in fp32
 
 
 @dataclass
@@ -96,11 +50,9 @@ class Plan:
     config: ModelConfig
     placement: Placement
     max_seq_len: int
-    kv_dtypes: list[str]  # the latent forms the attention layers use
-    key_bytes: int  # one token's indexer key in one full layer (the largest form, if the layers differ)
-    expert_format: str
+    notes: list[str]  # what the operators say of their buffers: "latent KV fp8 (656 B/token/layer)", ...
     active_expert_bytes: int  # routed-expert bytes one decode token reads (payload, no scales)
-    devices: list[DevicePlan]
+    devices: list[DevicePlan] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -122,10 +74,8 @@ class Plan:
         lines = [
             f"plan: {c.path} ({c.model_type}, {c.num_hidden_layers} layers, {len(c.full_layers)} full indexer layers), "
             f"rules {rules}",
-            f"max_seq_len {self.max_seq_len}, latent KV "
-            + ", ".join(f"{k} ({latent_row_bytes(c, k)} B/token/layer)" for k in self.kv_dtypes)
-            + f", indexer keys {self.key_bytes} B/token/full layer, experts {self.expert_format}",
-            f"active routed-expert weights per decode token: {active_expert_weights(c) / 1e9:.1f} G "
+            ", ".join([f"max_seq_len {self.max_seq_len}"] + self.notes),
+            f"active routed-expert weights per decode token: {c.active_expert_weights / 1e9:.1f} G "
             f"= {self.active_expert_bytes / 1e9:.1f} GB",
             "",
             f"{'device':<8} {'weights':>12} {'latent KV':>12} {'idx keys':>12} {'activations':>12} {'workspace':>12} "
@@ -142,97 +92,68 @@ class Plan:
         return "\n".join(lines)
 
 
+class PlanError(Glm5Error):
+    """The placement does not fit this machine; carries the plan to show."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        over = [d for d in plan.devices if not d.fits]
+        super().__init__("the model does not fit: " + ", ".join(
+            f"{d.device} needs {d.total / 2**30:.1f} GiB of {d.budget / 2**30:.1f} GiB" for d in over)
+            + f"; largest context that fits: {plan.largest_context} tokens")
+
+
 def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budgets: dict[str, int | None],
               kv_dtype: str | None = None, expert_format: str | None = None, dtype: torch.dtype | None = None,
               prefill_chunk: int = 2048) -> Plan:
     """budgets: 'cpu' -> host bytes, 'cuda' -> bytes of each GPU (None: no limit known).
 
-    kv_dtype fp8 puts every layer's latent rows and indexer keys in the FP8 forms (656 B, 132 B); bf16 or
-    fp32 count the layers whose attention rule does not ask for FP8 (kv_cache.latent_layout) in that dtype,
-    instead of the compute dtype. Offloaded latent rows count on the host; their device holds the hot buffer and
-    one prefill staging buffer of every row. A device with FP8 rows holds one more buffer of every row, in bf16,
-    for prefill chunks' sparse MLA (kernels/dsa_triton.sparse_mla converts them once per chunk)."""
+    kv_dtype fp8 puts every layer's cache in the FP8 forms (656 B latent rows, 132 B indexer keys); bf16 or fp32
+    count the layers whose attention rule does not ask for FP8 in that dtype instead of the compute dtype.
+    expert_format counts the routed experts in that format whatever their operator holds."""
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise Glm5Error(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if expert_format is not None and expert_format not in EXPERT_FORMATS:
-        raise Glm5Error(f"--expert-format must be one of {', '.join(EXPERT_FORMATS)}, got {expert_format!r}")
+    if expert_format is not None and expert_format not in BITS:
+        raise Glm5Error(f"--expert-format must be one of {', '.join(BITS)}, got {expert_format!r}")
     dtype = dtype or getattr(torch, config.dtype)
+    stream = placement.slots["model.embed_tokens"].device
+    ctx = PlanContext(config, dtype, max_seq_len, kv_dtype, expert_format, prefill_chunk, stream)
     devices: dict[str, DevicePlan] = {}
+    shared: dict[tuple, Buffer] = {}
+    notes: list[str] = []
+    active = 0
 
     def on(device: str) -> DevicePlan:
         if device not in devices:
             devices[device] = DevicePlan(device, budget=budgets.get(device.split(":")[0]))
         return devices[device]
 
-    compute_kv = DTYPE_FORMATS[dtype]
-
-    def layout_of(attention_slot) -> LatentLayout:
-        return latent_layout(attention_slot.kwargs, "fp8" if kv_dtype == "fp8" else None)
-
-    def kv_form(layout: LatentLayout) -> str:
-        """The form of a layer's latent rows and indexer keys: FP8 by the flag or the attention rule, else the
-        flag's dtype or the compute dtype."""
-        return "fp8" if layout.fp8 else kv_dtype or compute_kv
-
-    key_kinds = set()
-    activation_bytes = 4  # temporaries are fp32 at worst
-    rings: dict[str, set[tuple]] = {}  # GPU -> its expert rings (expert_ring.py: one per format and depth)
-    converted: dict[str, int] = {}  # device -> bf16 row bytes of the FP8 rows converted for a prefill chunk
-    staging: dict[str, int] = {}  # device -> row bytes of the prefill staging buffer its offloaded layers share
-    latent_kinds = set()
-    for slot in placement.slots.values():
-        d = on(slot.device)
-        if isinstance(slot.module, Experts) and expert_format is not None:
-            d.weights += expert_bytes(sum(p.numel() for p in slot.module.parameters()), expert_format)
+    def add(b: Buffer):
+        d = on(b.device)
+        if b.kind == "workspace" and b.shared is None:  # temporaries: one operator's at a time
+            d.workspace = max(d.workspace, b.bytes)
         else:
-            d.weights += slot.op.weight_bytes(slot.module, slot.kwargs, dtype, skip=slot.child_slots)
-        if isinstance(slot.module, Attention):
-            layout = layout_of(slot)
-            kind = kv_form(layout)
-            latent_kinds.add(kind)
-            row = latent_row_bytes(config, kind)
-            home = on("cpu") if layout.offload else d
-            home.per_token += row
-            home.latent_kv += row * max_seq_len
-            if layout.offload:  # the hot buffer, and its slot table: one int64 per token (tiered_kv.slot_of)
-                d.latent_kv += layout.hot_bytes + SLOT_BYTES * max_seq_len
-                d.per_token += SLOT_BYTES
-                staging[slot.device] = max(staging.get(slot.device, 0), row)
-            d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
-            if kind == "fp8":  # a prefill chunk's sparse MLA converts every row so far to bf16 (dsa_triton)
-                converted[slot.device] = config.latent_dim * 2
-        elif isinstance(slot.module, Indexer):
-            key = index_key_bytes(config, kv_form(layout_of(placement.slots[slot.name.rpartition(".")[0]])))  # its attention's
-            key_kinds.add(key)
-            d.per_token += key
-            d.indexer_keys += key * max_seq_len
-            d.workspace = max(d.workspace, 3 * _SCORE_BUDGET * activation_bytes)
-        elif isinstance(slot.module, Experts):
-            d.workspace = max(d.workspace, prefill_chunk * config.moe_intermediate_size * 3 * activation_bytes)
-            gate = placement.slots.get(slot.name.rpartition(".")[0] + ".gate")
-            if slot.kwargs.get("gpu_tokens") and gate is not None and gate.device != slot.device:
-                fmt = slot.op.format(slot.kwargs, dtype).split("/")[0]
-                ring = (fmt, slot.kwargs.get("group_size", EXPERT_GROUP), slot.kwargs.get("gpu_ring", DEPTH))
-                rings.setdefault(gate.device, set()).add(ring)
-    one_expert = 3 * config.hidden_size * config.moe_intermediate_size
-    for device, kinds in rings.items():  # long prefill chunks' experts: the rings stay, the layers share them;
-        # and one expert dequantised at a time
-        devices[device].workspace += sum(depth * expert_bytes(one_expert, fmt, group) for fmt, group, depth in kinds)
-        devices[device].workspace += one_expert * dtype.itemsize
-    for device, row in [*staging.items(), *converted.items()]:  # one buffer of every row, shared by the layers
-        devices[device].latent_kv += row * max_seq_len
-        devices[device].per_token += row
+            setattr(d, b.kind, getattr(d, b.kind) + b.bytes + b.per_token * max_seq_len)
+            d.per_token += b.per_token
+
+    for slot in placement.slots.values():
+        on(slot.device)
+        active += slot.op.active_bytes(slot, ctx)
+        for b in slot.op.memory(slot, ctx):
+            if b.note is not None and b.note not in notes:
+                notes.append(b.note)
+            if b.shared is None:
+                add(b)
+            else:  # counted once: the largest of its kind
+                key = (b.device, b.kind, b.shared)
+                if key not in shared or (b.bytes, b.per_token) > (shared[key].bytes, shared[key].per_token):
+                    shared[key] = b
+    for b in shared.values():
+        add(b)
     heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + config.kv_lora_rank)
     for d in devices.values():  # residual stream, norms, projections of one chunk, and the logits
-        d.activations = prefill_chunk * (6 * config.hidden_size + heads) * activation_bytes + config.vocab_size * 4
-    if expert_format is None:  # the experts operator's own format
-        expert_format = next((s.op.format(s.kwargs, dtype) for s in placement.slots.values()
-                              if isinstance(s.module, Experts)), DTYPE_FORMATS[dtype])
-    bits = EXPERT_FORMATS.get(expert_format.split("/")[0]) or torch.finfo(dtype).bits
-    active = active_expert_weights(config) * bits // 8
-    key_bytes = max(key_kinds, default=index_key_bytes(config, kv_dtype or compute_kv))
-    return Plan(config, placement, max_seq_len, sorted(latent_kinds) or [compute_kv], key_bytes, expert_format, active,
-                sorted(devices.values(), key=lambda d: d.device))
+        d.activations = prefill_chunk * (6 * config.hidden_size + heads) * ACTIVATION_BYTES + config.vocab_size * 4
+    return Plan(config, placement, max_seq_len, notes, active, sorted(devices.values(), key=lambda d: d.device))
 
 
 def detected_budgets() -> dict[str, int | None]:

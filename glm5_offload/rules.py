@@ -1,6 +1,7 @@
 """Rule files: an ordered YAML list that places each module of the tree on an operator and a device.
 
-    - default: {device: cuda}              # optional, first entry only: where unmatched modules go
+    - default: {device: cuda, models: [glm_moe_dsa]}   # optional, first entry only: where unmatched modules go,
+                                                      # and the model families (config model_type) the file suits
     - match: {name: 'mlp\\.experts$', class: Experts}   # regex searched in the dotted name, and/or class
       replace: {op: experts.reference, device: cpu, kwargs: {}}
       recursive: false                     # the operator owns the whole subtree (default: true)
@@ -20,9 +21,12 @@ import torch
 import yaml
 from torch import nn
 
+from . import model
+from .config import MODEL_TYPES
 from .errors import Glm5Error
-from .operators import Operator, Slot
-from .registry import DEFAULT_OP, REGISTRY
+from .ops import DEFAULT_OP, REGISTRY
+from .ops.base import Operator, Slot
+from .util import human_bytes, ranges
 
 RULE_KEYS = {"match", "replace", "recursive"}
 MATCH_KEYS = {"name", "class"}
@@ -54,12 +58,11 @@ class RuleFile:
     path: str
     default_device: str | None
     rules: tuple[Rule, ...]
+    models: tuple[str, ...] | None = None  # the model families it suits (None: any)
 
 
 def module_classes() -> set[str]:
     """Class names a rule can match: every class in the module tree."""
-    from . import model
-
     names = {c.__name__ for c in vars(model).values() if isinstance(c, type) and issubclass(c, nn.Module)}
     return names | {"Embedding", "ModuleList"}
 
@@ -118,9 +121,10 @@ def _parse_rule(where: str, index: int, entry) -> Rule:
             takes = f"it takes: {', '.join(op.kwargs)}" if op.kwargs else "it takes none"
             raise Glm5Error(f"{where}: operator {op.name} takes no kwarg {key!r} ({takes})")
     if op is not None:
-        problem = op.check_kwargs(kwargs)
-        if problem:
-            raise Glm5Error(f"{where}: operator {op.name}: {problem}")
+        try:
+            kwargs = op.parse_kwargs(kwargs)
+        except Glm5Error as e:
+            raise Glm5Error(f"{where}: operator {op.name}: {e}") from None
         if device is not None and device.split(":")[0] not in op.devices:
             raise Glm5Error(f"{where}: operator {op.name} runs on {' or '.join(op.devices)}, not {device}")
     recursive = entry.get("recursive", True)
@@ -160,12 +164,16 @@ def load_rules(path: str | Path) -> RuleFile:
         raise Glm5Error(f"{path}: empty rule file (expected a list of rules)")
     if not isinstance(data, list):
         raise Glm5Error(f"{path}: a rule file is a YAML list of rules, got a {type(data).__name__}")
-    default_device = None
+    default_device, models = None, None
     if data and isinstance(data[0], dict) and "default" in data[0]:
         where = f"{path}: rule 1 (default)"
         _check_keys(where, data[0], {"default"}, "the default entry")
-        _check_keys(where, data[0]["default"], {"device"}, "default")
+        _check_keys(where, data[0]["default"], {"device", "models"}, "default")
         default_device = check_device(where, data[0]["default"].get("device"))
+        models = data[0]["default"].get("models")
+        if models is not None and (not isinstance(models, list) or not models
+                                   or any(m not in MODEL_TYPES for m in models)):
+            raise Glm5Error(f"{where}: models must list model families among {', '.join(MODEL_TYPES)}, got {models!r}")
     offset = 1 if default_device is not None else 0
     rules = []
     for i, entry in enumerate(data[offset:], start=offset + 1):
@@ -174,7 +182,7 @@ def load_rules(path: str | Path) -> RuleFile:
         rules.append(_parse_rule(f"{path}: rule {i}", i, entry))
     if not rules:
         raise Glm5Error(f"{path}: empty rule file (no rules)")
-    return RuleFile(str(path), default_device, tuple(rules))
+    return RuleFile(str(path), default_device, tuple(rules), None if models is None else tuple(models))
 
 
 @dataclass
@@ -185,60 +193,41 @@ class Placement:
     unmatched: list[str]  # slots placed by the default (no rule matched them or an ancestor)
     unused_rules: list[Rule]  # rules that matched no module
 
-    def _latent_lines(self, dtype: torch.dtype) -> list[str]:
-        """Where each layer keeps its latent KV rows, from the attention rules' kwargs, grouped by layers."""
-        from .kv_cache import latent_layout
-        from .operators import DTYPE_FORMATS
-        from .planner import human_bytes
-
-        kinds: dict[str, list[int]] = {}
-        for slot in self.slots.values():
-            if not slot.name.endswith(".self_attn"):
-                continue
-            layout = latent_layout(slot.kwargs)
-            rows = "FP8 rows (656 B for GLM-5)" if layout.fp8 else f"{DTYPE_FORMATS[dtype]} rows"
-            where = (f"in pinned host memory, a {human_bytes(layout.hot_bytes)} hot buffer on {slot.device} "
-                     f"(the last {layout.window} tokens + recently selected rows)") if layout.offload else f"on {slot.device}"
-            kinds.setdefault(f"{rows} {where}", []).append(int(re.search(r"\.layers\.(\d+)\.", slot.name).group(1)))
-        return [f"latent KV of layers {{{_ranges(layers)}}}: {kind}" for kind, layers in kinds.items()]
-
     def devices(self) -> list[str]:
         return sorted({s.device for s in self.slots.values()})
 
     def table(self, dtype: torch.dtype) -> str:
-        """module pattern -> operator -> device -> format -> bytes, totals per device, and the flags."""
-        from .planner import human_bytes
-
+        """module pattern -> operator -> device -> format -> bytes, totals per device, each layer's cache, and the
+        flags."""
         groups: dict[tuple, list] = {}
+        caches: dict[tuple, list[int]] = {}
         for slot in self.slots.values():
-            layer = re.search(r"\.layers\.(\d+)\.", slot.name)
-            pattern = re.sub(r"\.layers\.\d+\.", ".layers.{L}.", slot.name, count=1)
-            fmt = slot.op.format(slot.kwargs, dtype)
-            key = (pattern, slot.op.name, slot.device, fmt, slot.rule)
-            groups.setdefault(key, []).append((int(layer.group(1)) if layer else None, slot))
+            layer = _layer(slot.name)
+            key = (_pattern(slot.name), slot.op.name, slot.device, slot.op.format(slot, dtype), slot.rule)
+            groups.setdefault(key, []).append((layer, slot))
+            note = slot.op.cache_note(slot, dtype)
+            if note is not None:
+                caches.setdefault(note, []).append(layer)
         rows = []
         totals: dict[str, int] = {}
         for (pattern, op, device, fmt, rule), members in groups.items():
-            size = sum(s.op.weight_bytes(s.module, s.kwargs, dtype, skip=s.child_slots) for _, s in members)
+            size = sum(s.op.weight_bytes(s, dtype) for _, s in members)
             totals[device] = totals.get(device, 0) + size
-            layers = [i for i, _ in members if i is not None]
-            name = pattern.replace("{L}", "{" + _ranges(layers) + "}") if layers else pattern
-            rows.append((name, op, device, fmt, human_bytes(size), "default" if rule is None else f"rule {rule}"))
+            rows.append((_with_layers(pattern, [i for i, _ in members if i is not None]), op, device, fmt,
+                         human_bytes(size), "default" if rule is None else f"rule {rule}"))
         header = ("module", "operator", "device", "format", "weights", "placed by")
         widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
         fmt_row = lambda r: "  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
         lines = [fmt_row(header), fmt_row(tuple("-" * w for w in widths))] + [fmt_row(r) for r in rows]
         lines.append("")
         lines += [f"total on {d}: {human_bytes(n)} ({n} bytes)" for d, n in sorted(totals.items())]
-        lines += self._latent_lines(dtype)
+        lines += [f"{what} of layers {{{ranges(layers)}}}: {how}" for (what, how), layers in caches.items()]
         unmatched: dict[tuple, list[int]] = {}
         for name in self.unmatched:
-            layer = re.search(r"\.layers\.(\d+)\.", name)
-            key = (re.sub(r"\.layers\.\d+\.", ".layers.{L}.", name, count=1), self.slots[name].device)
-            unmatched.setdefault(key, []).extend([int(layer.group(1))] if layer else [])
+            layer = _layer(name)
+            unmatched.setdefault((_pattern(name), self.slots[name].device), []).extend([] if layer is None else [layer])
         for (pattern, device), layers in unmatched.items():
-            name = pattern.replace("{L}", "{" + _ranges(layers) + "}") if layers else pattern
-            lines.append(f"warning: no rule matched {name}: default operator on {device}")
+            lines.append(f"warning: no rule matched {_with_layers(pattern, layers)}: default operator on {device}")
         for rule in self.unused_rules:
             lines.append(f"warning: rule {rule.index} ({rule.describe()}) matched nothing")
         return "\n".join(lines)
@@ -253,27 +242,32 @@ class Placement:
         raise KeyError(tensor_name)
 
 
-def _ranges(values: list[int]) -> str:
-    """[0,1,2,6,10,11] -> '0-2,6,10-11'."""
-    out, values = [], sorted(values)
-    start = prev = values[0]
-    for v in values[1:] + [None]:
-        if v is not None and v == prev + 1:
-            prev = v
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if v is not None:
-            start = prev = v
-    return ",".join(out)
+_LAYER_IN_NAME = re.compile(r"\.layers\.(\d+)\.")
 
 
-def place(model: nn.Module, rules: RuleFile | None, default_device: str | None = None) -> Placement:
-    """Walk the (meta) module tree and give every slot its operator and device."""
+def _layer(name: str) -> int | None:
+    layer = _LAYER_IN_NAME.search(name)
+    return int(layer.group(1)) if layer else None
+
+
+def _pattern(name: str) -> str:
+    return _LAYER_IN_NAME.sub(".layers.{L}.", name, count=1)
+
+
+def _with_layers(pattern: str, layers: list[int]) -> str:
+    return pattern.replace("{L}", "{" + ranges(layers) + "}") if layers else pattern
+
+
+def place(tree: nn.Module, rules: RuleFile | None, default_device: str | None = None) -> Placement:
+    """Walk the (meta) module tree of a CausalLM and give every slot its operator and device."""
+    model_type = tree.config.model_type
+    if rules is not None and rules.models is not None and model_type not in rules.models:
+        raise Glm5Error(f"{rules.path}: the rule file suits {', '.join(rules.models)}, not {model_type}")
     default = default_device or (rules.default_device if rules else None) or "cpu"
     slots: dict[str, Slot] = {}
     hits: set[int] = set()
 
-    def visit(name: str, module: nn.Module, inherited: tuple | None, free: bool):
+    def visit(name: str, module: nn.Module, inherited: tuple | None, free: bool, parent: Slot | None):
         rule = None
         if rules is not None and not free:
             rule = next((r for r in rules.rules if r.matches(name, module)), None)
@@ -293,15 +287,18 @@ def place(model: nn.Module, rules: RuleFile | None, default_device: str | None =
             op = rule.op
         children = list(module.named_children())
         if op is not None:
-            kwargs = rule.kwargs if rule and rule.op else {}
-            slots[name] = Slot(name, module, op, device or default, kwargs, source)
+            kwargs = rule.kwargs if rule and rule.op else op.parse_kwargs({})
+            slot = slots[name] = Slot(name, module, op, device or default, kwargs, source, parent)
+            if parent is not None:
+                parent.children[name.removeprefix(parent.name + ".")] = slot
+            parent = slot
             children = [(n, m) for n, m in children if isinstance(m, op.delegates)]
         inherit = (device, source) if device is not None or source is not None else None
         for child_name, child in children:
             visit(f"{name}.{child_name}" if name else child_name, child, inherit,
-                  free or (rule is not None and not rule.recursive))
+                  free or (rule is not None and not rule.recursive), parent)
 
-    visit("", model, None, False)
+    visit("", tree, None, False, None)
     unmatched = [n for n, s in slots.items() if s.rule is None]
     unused = [r for r in (rules.rules if rules else ()) if r.index not in hits]
     return Placement(rules, default, slots, unmatched, unused)

@@ -13,7 +13,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .chat import ReplyStream, split_reasoning
-from .engine import Engine, SamplingParams
+from .runtime.engine import Engine, SamplingParams
 from .errors import Glm5Error
 
 ROLES = ("system", "user", "assistant", "tool", "observation")

@@ -17,18 +17,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
-from . import cache_dir
-from .config import parse_config
-from .model import build_model
+from .config import load_config, parse_config
+from .formats import fp8_blocks
+from .model import build_model, keeps_fp32
+from .util import cache_dir
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
                   "<|assistant|>", "<|observation|>", "<think>", "</think>"]
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 VOCAB_SIZE = 1024
-FP8_BLOCK = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
@@ -125,18 +125,6 @@ def tiny_config(arch: str = "glm_moe_dsa") -> dict:
     return config
 
 
-def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (W8 float8_e4m3fn, scale_inv [ceil(out/b), ceil(in/b)] fp32) with W ~ W8 * scale."""
-    out_f, in_f = weight.shape
-    rows, cols = -(-out_f // block), -(-in_f // block)
-    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32)
-    padded[:out_f, :in_f] = weight.float()
-    blocks = padded.view(rows, block, cols, block)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rows, cols]
-    w8 = (blocks / scale[:, None, :, None]).view(rows * block, cols * block)[:out_f, :in_f]
-    return w8.to(torch.float8_e4m3fn), scale
-
-
 def is_fp8_projection(name: str) -> bool:
     """The weights an FP8 release stores as float8 blocks: every projection except router and indexer weights."""
     if any(k in name for k in ("embed_tokens", "lm_head", "mlp.gate.weight", "weights_proj")):
@@ -160,9 +148,9 @@ def stored(name: str, w: torch.Tensor, fp8: bool) -> dict[str, torch.Tensor]:
     """A weight as a release stores it: FP8 blocks + scale_inv for projections (fp8), fp32 router bias and
     indexer head weights, bf16 for the rest."""
     if fp8 and is_fp8_projection(name):
-        w8, scale = quantize_fp8(w)
+        w8, scale = fp8_blocks.quantize(w)
         return {name: w8, name + "_scale_inv": scale}
-    if name.endswith(("e_score_correction_bias", "weights_proj.weight")):
+    if keeps_fp32(name):
         return {name: w}
     return {name: w.to(torch.bfloat16)}
 
@@ -186,8 +174,6 @@ def layer_groups(names: list[str]) -> list[list[str]]:
 def shaped_config(preset: str, layers: int, overrides: dict | None = None) -> dict:
     """A published config (a preset name or config.json path) with its real dims, cut to `layers` layers (the
     first dense, the rest MoE) and the tiny tokenizer's vocabulary; then `overrides` (config.json keys)."""
-    from .config import load_config
-
     path = Path(load_config(preset).path)
     config = json.loads(path.read_text())
     if layers < 1:
@@ -228,13 +214,11 @@ def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False,
     generated and written a layer at a time (a GLM-5 MoE layer is 19 GB in bf16, 9.7 GB in FP8). The tiny
     checkpoints draw every tensor from one seeded stream, in order; a preset's tensors each from a stream
     seeded by the seed and the tensor's name, on every core (one stream would take minutes per layer)."""
-    from tqdm import tqdm
-
     out_dir = Path(out_dir)
     config = tiny_config(arch) if preset is None else shaped_config(preset, layers, overrides)
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+                                         "weight_block_size": list(fp8_blocks.BLOCK)}
     shapes = {n: tuple(t.shape) for n, t in build_model(parse_config(config, "tiny config")).state_dict().items()}
     groups = layer_groups(list(shapes))
     gen = torch.Generator().manual_seed(seed)

@@ -1,32 +1,24 @@
-"""DeepSeek Sparse Attention on the GPU in Triton: the lightning indexer's scores and sparse MLA.
+"""DeepSeek Sparse Attention on the GPU in Triton: the lightning indexer's scores and sparse MLA, and the FP8 forms
+of their cache rows (glm5_offload.formats.kv_rows).
 
-Both have their plain-torch reference in glm5_offload/model.py (`indexer_scores`, `sparse_mla`), which
-the tests compare them with. Under TRITON_INTERPRET=1 (CPU tests) operands are cast to fp32 after
-loading, since the interpreter's tl.dot multiplies bf16 bit patterns; bf16 products are exact in fp32,
-so both paths compute the same sums.
+References: `indexer_scores` and `sparse_mla` in glm5_offload/model/mla.py, `quantize_keys` and
+`dequantize_latent` in glm5_offload/formats/kv_rows.py; the tests compare each kernel with them. Under
+TRITON_INTERPRET=1 (CPU tests) operands are cast to fp32 after loading, since the interpreter's tl.dot multiplies
+bf16 bit patterns; bf16 products are exact in fp32, so both paths compute the same sums.
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def quantize_keys_reference(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer keys [N, D] -> FP8 form: e4m3 values [N, D] and one fp32 scale per key [N] (132 B for D=128)."""
-    scale = k.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (k.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+from ..formats import FP8_MAX
+from ..formats.kv_rows import latent_group
+from . import INTERPRET
 
 
 @triton.jit
 def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D: tl.constexpr, RD: tl.constexpr,
-                       HALF: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr):
+                       HALF: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_MAX: tl.constexpr):
     # one key: rope on dims [0:RD] (output [rotated firsts | rotated seconds], as rope.apply_rope), then FP8
     # into output row rows[t]
     t = tl.program_id(0)
@@ -45,7 +37,7 @@ def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D:
     rest_i = tl.arange(0, REST)
     rest = tl.load(k_ptr + t * D + RD + rest_i).to(tl.float32)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1)), tl.max(tl.abs(r2))), tl.max(tl.abs(rest)))
-    scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), FP8_MAX)
     # div_rn: IEEE division, as torch's reference does (plain `/` is approximate on the GPU)
     tl.store(out_ptr + row * D + i, tl.div_rn(r1, scale).to(tl.float8e4nv))
     tl.store(out_ptr + row * D + half + i, tl.div_rn(r2, scale).to(tl.float8e4nv))
@@ -56,11 +48,13 @@ def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D:
 def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool,
                        out: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None = None):
     """Fused: rope on keys k [N, D] (cos, sin [N, rope_dim/2] fp32), then FP8 straight into rows `rows` [N]
-    (int64; default 0..N-1) of out [T, D] e4m3 and scales [T] fp32 (the indexer-key cache)."""
+    (int64; default 0..N-1) of out [T, D] e4m3 and scales [T] fp32 (the indexer-key cache; reference: apply_rope,
+    then kv_rows.quantize_keys)."""
     N, D = k.shape
     rows = torch.arange(N, device=k.device) if rows is None else rows
     _rope_quant_kernel[(N,)](k.contiguous(), cos.float().contiguous(), sin.float().contiguous(), out, scales, rows,
-                             D=D, RD=rope_dim, HALF=rope_dim // 2, REST=D - rope_dim, INTERLEAVED=interleaved)
+                             D=D, RD=rope_dim, HALF=rope_dim // 2, REST=D - rope_dim, INTERLEAVED=interleaved,
+                             FP8_MAX=FP8_MAX)
 
 
 @triton.jit
@@ -195,11 +189,6 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SP
     tl.store(lse_ptr + r, total)
 
 
-def fp8_latent_group(kv_lora_rank: int) -> int:
-    """Values per fp32 scale in the FP8 latent row: 128 (GLM-5: 4 scales), or the whole c when it is smaller."""
-    return 128 if kv_lora_rank % 128 == 0 else kv_lora_rank
-
-
 @triton.jit
 def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
                                BLOCK_T: tl.constexpr):
@@ -219,12 +208,12 @@ def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.const
 
 
 def fp8_latent_to_bf16(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> torch.Tensor:
-    """FP8 latent rows [T, L + 4L/G + 2R] uint8 -> bf16 [T, L+R] (reference: kv_cache.dequantize_latent)."""
+    """FP8 latent rows [T, L + 4L/G + 2R] uint8 -> bf16 [T, L+R] (reference: kv_rows.dequantize_latent)."""
     T, L, R = rows.shape[0], kv_lora_rank, rope_dim
     out = torch.empty(T, L + R, dtype=torch.bfloat16, device=rows.device)
     block_t = 256 if INTERPRET else 16
     _fp8_latent_to_bf16_kernel[(triton.cdiv(T, block_t),)](rows.contiguous(), out, T, L=L, R=R,
-                                                             G=fp8_latent_group(L), BLOCK_T=block_t)
+                                                             G=latent_group(L), BLOCK_T=block_t)
     return out
 
 
@@ -235,7 +224,7 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
                convert_fp8: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
     one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
-    GLM-5, see kv_cache.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
+    GLM-5, see kv_rows.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
 
     Few queries (decode) split the selected rows over several programs, flash-decoding style, and a second
     kernel combines the splits by their log-sum-exp. FP8 rows are converted in the kernel where they are read;
@@ -245,7 +234,7 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
     fp8 = latent.dtype == torch.uint8
-    G = fp8_latent_group(L)
+    G = latent_group(L)
     assert L == kv_lora_rank and latent.shape[1] == (L + 4 * (L // G) + 2 * R if fp8 else L + R)
     if fp8 and (convert_fp8 if convert_fp8 is not None else S * K >= latent.shape[0]):
         latent, fp8 = fp8_latent_to_bf16(latent, L, R), False

@@ -2,8 +2,8 @@
 
 For long prefill chunks the experts stream to the GPU and run there as bf16 matmuls instead of on the
 CPU cores: each expert's packed weights cross once, are dequantised here, and feed torch's matmul. The
-reference is `moe_cpu.dequantize` (the same layouts: int4 byte j of a group holds input j in its low
-nibble and input j + G/2 in its high one).
+reference is `glm5_offload.formats.int_groups.dequantize` (the same layouts: int4 byte j of a group holds
+input j in its low nibble and input j + G/2 in its high one).
 """
 
 import torch

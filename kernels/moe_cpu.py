@@ -1,15 +1,13 @@
-"""Routed experts of one MoE layer on the CPU: numba kernels, weight formats, and their torch reference.
+"""Routed experts of one MoE layer on the CPU: numba kernels over the packed formats of
+glm5_offload/formats/int_groups.py (bf16, int8, int4 with group scales; W13 = [gate; up] fused [E, 2I, H],
+W2 = down [E, H, I]), and `moe_reference`, the plain-torch layer they are tested against.
 
-Formats (per expert, W13 = [gate; up] fused [2I, H], W2 = down [H, I]):
-  bf16  uint16 bit patterns of bfloat16, no scales
-  int8  int8 values, one fp32 scale per `group` consecutive inputs of a row (symmetric, q in [-127, 127])
-  int4  two values per byte, one fp32 scale per group (symmetric, q in [-8, 7] stored as q + 8); in
-        each group of G inputs, byte j holds input j in its low nibble and input j + G/2 in its high one
 Activations stay fp32 and every product accumulates in fp32, so a kernel equals its reference on the
 same quantised weights up to summation order. Or (int8/int4 weights, `act_group` > 0) activations are
 quantised to int8 per group of inputs too, and each group's dot is exact integer arithmetic: int8 pairs
 widened to int16, multiplied and added in pairs into int32 (x86: vpmaddwd, vpdpwssd with AVX512-VNNI),
-as llama.cpp's Q8 activations do; the reference then quantises its activations the same way.
+as llama.cpp's Q8 activations do; the reference then quantises its activations the same way
+(int_groups.quantize_activations).
 
 The kernel is one call per layer and token batch: pairs (token, slot) are grouped by expert; phase 1
 computes gate and up for every (expert, block of rows) in parallel, reading each weight row once for
@@ -29,59 +27,17 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
-GROUP_SIZES = (32, 64, 128)
+from ..formats.int_groups import quantize_activations
+
+FORMAT_CODES = {"bf16": 0, "int8": 1, "int4": 2}  # how moe_layer takes the format
 ROW_BLOCK = 32  # weight rows per work item
 _FASTMATH = {"reassoc", "contract", "nsz"}  # reassociation lets LLVM vectorise the fp32 reductions
 
 
-# ---------------------------------------------------------------- formats and their torch reference
-
-def quantize(w: torch.Tensor, fmt: str, group: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """w [E, rows, cols] (any float dtype) -> (values, scales) as numpy arrays in the CPU format."""
-    if fmt == "bf16":
-        values = w.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
-        return values, np.zeros((0,), np.float32)
-    if group not in GROUP_SIZES or w.shape[-1] % group:
-        raise ValueError(f"group size {group} must be one of {GROUP_SIZES} and divide {w.shape[-1]}")
-    qmax = 127 if fmt == "int8" else 7
-    grouped = w.float().reshape(*w.shape[:-1], -1, group)  # [E, rows, ngroups, group]
-    scales = grouped.abs().amax(-1).clamp(min=1e-12) / qmax
-    q = torch.round(grouped / scales[..., None]).clamp(-qmax - (fmt == "int4"), qmax).to(torch.int8)
-    if fmt == "int8":
-        return q.reshape(w.shape).numpy(), scales.numpy()
-    nibbles = (q + 8).to(torch.uint8)
-    half = group // 2
-    packed = nibbles[..., :half] | (nibbles[..., half:] << 4)  # [E, rows, ngroups, half]
-    return packed.reshape(*w.shape[:-1], -1).numpy(), scales.numpy()
-
-
-def dequantize(values: np.ndarray, scales: np.ndarray, fmt: str, group: int = 128) -> torch.Tensor:
-    """The fp32 weights [E, rows, cols] a format stands for (the reference the kernels are tested against)."""
-    v = torch.from_numpy(np.ascontiguousarray(values))
-    if fmt == "bf16":
-        return v.view(torch.int16).view(torch.bfloat16).float()
-    s = torch.from_numpy(np.ascontiguousarray(scales))
-    if fmt == "int8":
-        q = v.float().reshape(*v.shape[:-1], -1, group)
-    else:
-        packed = v.reshape(*v.shape[:-1], -1, group // 2).to(torch.int16)
-        q = torch.cat([(packed & 15) - 8, (packed >> 4) - 8], dim=-1).float()
-    return (q * s[..., None]).reshape(*v.shape[:-1], -1)
-
-
-def quantize_activations(v: torch.Tensor, group: int) -> torch.Tensor:
-    """v [N, K] fp32 -> the values int8 activations stand for: each group of `group` inputs rounded to
-    multiples of its amax / 127 (the kernels' _quantize_rows, in torch)."""
-    grouped = v.float().reshape(v.shape[0], -1, group)
-    scale = grouped.abs().amax(-1, keepdim=True) / np.float32(127.0)
-    q = torch.where(scale > 0, torch.round(grouped / torch.where(scale > 0, scale, 1.0)), 0.0)
-    return (q * scale).reshape(v.shape)
-
-
 def moe_reference(x, w13, w2, ids, weights, act_group: int = 0):
-    """Plain torch: x [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] fp32, ids/weights [T, k] -> [T, H] fp32.
-    act_group > 0: the inputs of both projections are int8-quantised in groups of that many first."""
+    """Plain torch: x [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] fp32 (int_groups.dequantize of the packed
+    weights), ids/weights [T, k] -> [T, H] fp32. act_group > 0: the inputs of both projections are
+    int8-quantised in groups of that many first."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
     if act_group:
@@ -196,7 +152,7 @@ def _fma(builder, acc, a, b):
 def _int4_step(builder, packed_ptr, i, lanes, group_bytes):
     """`lanes` packed int4 bytes at byte offset i -> (low nibbles, high nibbles) as <lanes x i8> (0..15), and the
     input offsets they multiply: group g's bytes start at g B (B = group_bytes), its inputs at 2 g B, the low
-    nibbles' half first, then the high ones' (quantize's layout)."""
+    nibbles' half first, then the high ones' (int_groups' layout)."""
     b = _load_i8(builder, packed_ptr, i, lanes)
     low = builder.and_(b, ir.Constant(b.type, [15] * lanes))
     high = builder.lshr(b, ir.Constant(b.type, [4] * lanes))
@@ -267,7 +223,7 @@ def _row_dot_i8q(typingctx, row, scales, vq, vs):
 
 @intrinsic
 def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
-    """sum_g scales[g] vs[g] (sum_j nibble_j vq[j] - 8 vsum[g]): int4 row (packed as in quantize), int8 vq
+    """sum_g scales[g] vs[g] (sum_j nibble_j vq[j] - 8 vsum[g]): int4 row (packed as int_groups lays it out), int8 vq
     with group sums vsum. With AVX512-VNNI the nibbles (0..15) go straight into vpdpbusd, 64 bytes a step
     for groups of 128 and 16 otherwise; without it, vpmaddwd pairs 16 bytes a step."""
     vnni = _has_vnni()
@@ -309,7 +265,7 @@ def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
 @njit(nogil=True, cache=True)
 def _quantize_rows(v, group, q, scales, sums):
     """v [N, K] fp32 -> q [N, K] int8, scales and sums of q [N, K/group] (fp32 amax / 127, int32) per group
-    (quantize_activations)."""
+    (int_groups.quantize_activations)."""
     for i in range(v.shape[0]):
         for g in range(v.shape[1] // group):
             x, out = v[i, g * group : (g + 1) * group], q[i, g * group : (g + 1) * group]
@@ -487,7 +443,7 @@ def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.n
     # empty scales cannot be indexed; give the bf16 kernel a dummy of the right rank
     s13 = s13 if s13.ndim == 3 else np.zeros((1, 1, 1), np.float32)
     s2 = s2 if s2.ndim == 3 else np.zeros((1, 1, 1), np.float32)
-    moe_layer(FORMATS[fmt], group, w13, s13, w2, s2, x, pair_token, pair_weight, experts, start, gu, act, out,
+    moe_layer(FORMAT_CODES[fmt], group, w13, s13, w2, s2, x, pair_token, pair_weight, experts, start, gu, act, out,
               act_int8)
     if scratch is not None:
         scratch.update(gu=gu, act=act, pair_token=pair_token, pair_weight=pair_weight, experts=experts, start=start)

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from glm5_offload.config import load_config
-from glm5_offload.engine import Engine
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.kv_cache import new_cache
 
 
 def glm5(*args, env=None, check=True):
@@ -158,7 +159,7 @@ def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
     assert sorted(p.name for p in out.glob("*.safetensors")) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     model = load_model(out, dtype=torch.float32)
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["MLP", "MoE", "MoE"]
-    logits = model(torch.arange(5, 25), model.new_cache(32))
+    logits = model(torch.arange(5, 25), new_cache(model, 32))
     assert logits.shape == (20, 1024) and torch.isfinite(logits).all()
     again = tmp_path / "again"  # each tensor from its own seeded stream, on several threads: the same bytes
     glm5("make-tiny", again, "--preset", tmp_path / "preset" / "config.json", "--layers", "3", "--fp8")

@@ -5,10 +5,11 @@ import pytest
 import torch
 from conftest import rel_err
 
-from glm5_offload.decode_graphs import DecodeGraphs, unsupported
-from glm5_offload.engine import Engine
+from glm5_offload.runtime.decode_graphs import DecodeGraphs, unsupported
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
+from glm5_offload.runtime.kv_cache import new_cache
 
 ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
 
@@ -38,7 +39,7 @@ def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
     model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", device, kwargs))
     prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(5)).to(device)
     tokens = torch.randint(4, 320, (60,), generator=torch.Generator().manual_seed(6)).tolist()
-    eager, pieces = model.new_cache(128), model.new_cache(128)
+    eager, pieces = new_cache(model, 128), new_cache(model, 128)
     model(prompt, eager)
     model(prompt, pieces)
     graphs = DecodeGraphs(model, pieces, capture=device == "cuda", min_bucket=16)
@@ -47,7 +48,9 @@ def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
         got = graphs.step(token)
         assert rel_err(got, want) < 1e-5 and got.argmax() == want.argmax()
     assert sorted(graphs.buckets) == [64, 128] and pieces.length == eager.length == 100
-    assert graphs.steps == 58 and graphs.seconds["experts"] > 0  # the two buckets' first steps are not counted
+    assert graphs.steps == 58  # the two buckets' first steps are not counted
+    if device == "cuda":  # the routed experts run in the host's step between the graphs
+        assert graphs.seconds["experts"] > 0
     if offload:
         assert pieces.offload_stats()["misses"] > 0
 

@@ -5,10 +5,11 @@ import torch
 from conftest import assert_bf16_of, rel_err
 
 from glm5_offload.kernels import dsa_triton
-from glm5_offload.kv_cache import dequantize_latent, fp8_row_width, quantize_latent
+from glm5_offload.formats.kv_rows import dequantize_latent, fp8_row_width, quantize_keys, quantize_latent
 from glm5_offload.loader import load_model
 from glm5_offload.model import indexer_scores, sparse_mla, topk_indices
 from glm5_offload.rules import load_rules
+from glm5_offload.runtime.kv_cache import new_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -122,7 +123,7 @@ ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() 
 @pytest.mark.parametrize("device", ON)
 def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device):
     """Parity with the reference path (and so with transformers), IndexShare included."""
-    from glm5_offload.attention_triton import TritonAttention, TritonIndexer
+    from glm5_offload.ops.dsa_triton import TritonAttention, TritonIndexer
 
     path, hf = hf_checkpoint("glm_moe_dsa")
     ids = torch.randint(4, 320, (28,), generator=torch.Generator().manual_seed(8))
@@ -132,14 +133,14 @@ def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device)
     layers = model.model.layers
     assert all(type(layer.self_attn) is TritonAttention for layer in layers)
     assert type(layers[0].self_attn.indexer) is TritonIndexer and layers[1].self_attn.indexer is None
-    ours = model(ids.to(device), model.new_cache(64)).cpu()
+    ours = model(ids.to(device), new_cache(model, 64)).cpu()
     assert max(rel_err(ours[i], theirs[i]) for i in range(len(ids))) < 1e-4
 
 
 def check_indexer_fp8(S, H, D, T):
     g = torch.Generator().manual_seed(S + T)
     q = torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16)
-    k8, scales = dsa_triton.quantize_keys_reference(torch.randn(T, D, generator=g).to(DEVICE))
+    k8, scales = quantize_keys(torch.randn(T, D, generator=g).to(DEVICE))
     w = torch.randn(S, H, generator=g).to(DEVICE)
     out = torch.full((S, T), float("nan"), device=DEVICE)
     positions = torch.arange(T - S, T, device=DEVICE)
@@ -159,7 +160,7 @@ def test_indexer_scores_fp8_keys(S, T):
 
 def test_fp8_key_form_is_132_bytes_and_close():
     k = torch.randn(50, 128)
-    k8, scales = dsa_triton.quantize_keys_reference(k)
+    k8, scales = quantize_keys(k)
     assert k8.element_size() * k8.shape[1] + scales.element_size() == 132
     assert rel_err(k8.float() * scales[:, None], k) < 0.05
 
@@ -170,14 +171,14 @@ def test_fused_rope_and_fp8_quantisation(interleaved):
 
 
 def check_rope_quant(N, D, RD, interleaved):
-    from glm5_offload.rope import apply_rope
+    from glm5_offload.model.rope import apply_rope
 
     g = torch.Generator().manual_seed(int(interleaved))
     k = torch.randn(N, D, generator=g).to(DEVICE)
     angles = torch.rand(N, RD // 2, generator=g).to(DEVICE) * 6
     cos, sin = angles.cos(), angles.sin()
     roped = torch.cat([apply_rope(k[:, :RD], cos, sin, interleaved), k[:, RD:]], dim=-1)
-    want8, want_scale = dsa_triton.quantize_keys_reference(roped)
+    want8, want_scale = quantize_keys(roped)
     out = torch.zeros(N, D, device=DEVICE).to(torch.float8_e4m3fn)
     scales = torch.full((N,), float("nan"), device=DEVICE)
     dsa_triton.rope_quantize_keys(k, cos, sin, RD, interleaved, out, scales)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from glm5_offload.engine import Engine, SamplingParams, sample
+from glm5_offload.runtime.engine import Engine, SamplingParams, sample
 from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.kv_cache import new_cache
 
 PROMPT = [12, 40, 77, 301, 5, 990, 18, 64, 64, 3, 870, 45, 12, 19, 200, 201, 202, 33, 34, 35]
 
@@ -18,7 +19,7 @@ def engine(tiny_dir):
 def test_greedy_is_argmax_of_the_model(engine):
     out = engine.generate(PROMPT, 8).output_ids
     model = engine.model
-    logits = model(torch.tensor(PROMPT + out[:-1]), model.new_cache(64))
+    logits = model(torch.tensor(PROMPT + out[:-1]), new_cache(model, 64))
     assert logits[len(PROMPT) - 1 :].argmax(-1).tolist() == out
 
 
@@ -65,9 +66,9 @@ def test_stops_on_eos_and_streams_every_token(engine):
 
 def test_chunked_prefill_equals_one_shot(engine):
     model = engine.model
-    one = model(torch.tensor(PROMPT), model.new_cache(64))[-1]
+    one = model(torch.tensor(PROMPT), new_cache(model, 64))[-1]
     chunked = Engine(model, max_seq_len=64, prefill_chunk=3)
-    chunked.cache = model.new_cache(64)
+    chunked.cache = new_cache(model, 64)
     assert torch.allclose(chunked.prefill(PROMPT), one, rtol=1e-5, atol=1e-5)
     assert chunked.cache_ids == PROMPT and chunked.cache.length == len(PROMPT)
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from glm5_offload.engine import Engine
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.kv_cache import new_cache
 
 from conftest import rel_err
 
@@ -26,8 +27,8 @@ def test_cuda_reference_matches_cpu_fp32(hf_checkpoint, arch):
     cpu = load_model(path, dtype=torch.float32)
     gpu = load_model(path, device="cuda", dtype=torch.float32)
     assert gpu.device.type == "cuda"
-    expected = cpu(ids, cpu.new_cache(64))
-    got = gpu(ids.cuda(), gpu.new_cache(64)).cpu()
+    expected = cpu(ids, new_cache(cpu, 64))
+    got = gpu(ids.cuda(), new_cache(gpu, 64)).cpu()
     assert max(rel_err(got[i], expected[i]) for i in range(40)) < 1e-4
     n_new = 24
     cpu_tokens = Engine(cpu).generate(ids.tolist(), n_new).output_ids
@@ -42,10 +43,10 @@ def test_cuda_reference_bf16_fp8_checkpoint(tiny_dir):
     truth_model, cpu = load_model(path, dtype=torch.float32), load_model(path)
     gpu = load_model(path, device="cuda")
     assert gpu.dtype == cpu.dtype == torch.bfloat16
-    truth = truth_model(ids, truth_model.new_cache(64))
+    truth = truth_model(ids, new_cache(truth_model, 64))
 
     def median_error(model):
-        logits = model(ids.to(model.device), model.new_cache(64)).cpu()
+        logits = model(ids.to(model.device), new_cache(model, 64)).cpu()
         return sorted(rel_err(logits[i], truth[i]) for i in range(len(ids)))[len(ids) // 2]
 
     cpu_error, gpu_error = median_error(cpu), median_error(gpu)
@@ -65,15 +66,16 @@ def test_workstation_placement_matches_cpu(hf_checkpoint, rules):
     experts = placed.model.layers[1].mlp.experts[0].up_proj.weight.device.type
     assert experts == ("cpu" if rules == "glm5" else "cuda")
     assert placed.model.layers[1].self_attn.q_a_proj.weight.device.type == "cuda"
-    expected = cpu(ids, cpu.new_cache(64))
-    got = placed(ids, placed.new_cache(64)).cpu()
+    expected = cpu(ids, new_cache(cpu, 64))
+    got = placed(ids, new_cache(placed, 64)).cpu()
     assert max(rel_err(got[i], expected[i]) for i in range(40)) < 1e-4
     assert Engine(placed).generate(ids.tolist(), 24).output_ids == Engine(cpu).generate(ids.tolist(), 24).output_ids
 
 
 def test_numba_experts_with_router_and_shared_expert_on_the_gpu(tiny_dir, tmp_path):
     """The hidden state crosses to the CPU through pinned buffers once per layer; results match all-CPU."""
-    from glm5_offload.experts_numba import NumbaExperts
+    from glm5_offload.ops import experts_numba
+    from glm5_offload.ops.experts_numba import NumbaExperts
     from glm5_offload.rules import load_rules
 
     rules = tmp_path / "numba.yaml"
@@ -91,8 +93,8 @@ def test_numba_experts_with_router_and_shared_expert_on_the_gpu(tiny_dir, tmp_pa
     experts = mixed.model.layers[1].mlp.experts
     assert isinstance(experts, NumbaExperts) and mixed.model.layers[1].mlp.gate.weight.is_cuda
     ids = torch.arange(12, 60)
-    expected = cpu(ids, cpu.new_cache(64))
-    got = mixed(ids.cuda(), mixed.new_cache(64)).cpu()
+    expected = cpu(ids, new_cache(cpu, 64))
+    got = mixed(ids.cuda(), new_cache(mixed, 64)).cpu()
     assert max(rel_err(got[i], expected[i]) for i in range(len(ids))) < 1e-4
-    assert all(t.is_pinned() for t in experts._pinned.values())
+    assert all(t.is_pinned() for t in experts_numba._pinned.values()) and experts_numba._pinned
     assert Engine(mixed).generate(ids.tolist(), 16).output_ids == Engine(cpu).generate(ids.tolist(), 16).output_ids

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glm5_offload.errors import Glm5Error
-from glm5_offload.loader import dequantize_fp8, load_model
-from glm5_offload.tiny import is_fp8_projection, quantize_fp8
+from glm5_offload.formats import fp8_blocks
+from glm5_offload.loader import load_model
+from glm5_offload.tiny import is_fp8_projection
+from glm5_offload.runtime.kv_cache import new_cache
 
 FIRST_SHARD = "model-00001-of-00005.safetensors"
 
@@ -46,9 +48,9 @@ def load_error(path) -> str:
 
 def test_quantize_dequantize_round_trip_partial_blocks():
     w = torch.randn(300, 200)  # partial 128-blocks on both axes
-    w8, scale = quantize_fp8(w)
+    w8, scale = fp8_blocks.quantize(w)
     assert w8.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
-    back = dequantize_fp8(w8, scale, (128, 128))
+    back = fp8_blocks.dequantize(w8, scale, (128, 128))
     assert ((back - w).norm() / w.norm()).item() < 0.05  # e4m3 keeps 3 mantissa bits
     block = w8[128:256, 128:200].float() * scale[1, 1]
     assert torch.equal(back[128:256, 128:200], block)
@@ -64,11 +66,11 @@ def test_fp8_checkpoint_loads_to_dequantised_weights_exactly(tiny_dir):
     quantised = [n for n in shards if shards[n].dtype == torch.float8_e4m3fn]
     assert len(quantised) > 50 and all(is_fp8_projection(n) for n in quantised)
     for name in quantised:
-        expected = dequantize_fp8(shards[name], shards[name + "_scale_inv"], (128, 128))
+        expected = fp8_blocks.dequantize(shards[name], shards[name + "_scale_inv"], (128, 128))
         assert torch.equal(params[name], expected), name
     assert params["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     ids = torch.arange(12, 40)
-    assert torch.isfinite(model(ids, model.new_cache(32))).all()
+    assert torch.isfinite(model(ids, new_cache(model, 32))).all()
 
 
 def test_single_file_checkpoint_and_mtp_layer_skipped(ckpt, caplog):

@@ -1,4 +1,4 @@
-"""The numba MoE kernels against their torch reference on the same quantised weights."""
+"""The numba MoE kernels against their torch reference on the same packed weights (formats/int_groups.py)."""
 
 import os
 import re
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 
 E, H, I = 8, 256, 128  # experts, hidden, inter (small: many tests; real dims live in bench/)
@@ -20,12 +21,12 @@ def layer(fmt, group, seed=0):
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(E, 2 * I, H, generator=g) * H**-0.5
     w2 = torch.randn(E, H, I, generator=g) * I**-0.5
-    v13, s13 = moe_cpu.quantize(w13, fmt, group)
-    v2, s2 = moe_cpu.quantize(w2, fmt, group)
+    v13, s13 = int_groups.quantize(w13, fmt, group)
+    v2, s2 = int_groups.quantize(w2, fmt, group)
     return (v13, s13, v2, s2), (w13, w2)
 
 
-CASES = [("bf16", 128)] + [(f, g) for f in ("int8", "int4") for g in moe_cpu.GROUP_SIZES]
+CASES = [("bf16", 128)] + [(f, g) for f in ("int8", "int4") for g in int_groups.GROUP_SIZES]
 
 
 @pytest.mark.parametrize("fmt, group", CASES)
@@ -36,7 +37,7 @@ def test_kernel_equals_dequantised_reference(fmt, group, tokens):
     x = torch.randn(tokens, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(tokens)])
     weights = torch.rand(tokens, 4, generator=g)
-    ref = moe_cpu.moe_reference(x, moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group),
+    ref = moe_cpu.moe_reference(x, int_groups.dequantize(v13, s13, fmt, group), int_groups.dequantize(v2, s2, fmt, group),
                                 ids, weights)
     out = moe_cpu.moe_forward(fmt, group, v13, s13, v2, s2, x.numpy(), ids.numpy(), weights.numpy(), threads=2)
     assert np.isfinite(out).all()
@@ -50,7 +51,7 @@ def test_int8_activations_equal_their_reference(fmt, group, tokens):
     from the kernel's own SiLU(gate) x up quantised the same way (so that a SiLU rounding one ulp apart
     cannot move an int8 code), <= 1e-5; and the whole layer against the reference."""
     (v13, s13, v2, s2), _ = layer(fmt, group)
-    w13, w2 = moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group)
+    w13, w2 = int_groups.dequantize(v13, s13, fmt, group), int_groups.dequantize(v2, s2, fmt, group)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(tokens)])
@@ -61,10 +62,10 @@ def test_int8_activations_equal_their_reference(fmt, group, tokens):
     token = torch.from_numpy(scratch["pair_token"]).long()
     expert = torch.repeat_interleave(torch.from_numpy(scratch["experts"]).long(),
                                      torch.from_numpy(np.diff(scratch["start"])).long())
-    xq = moe_cpu.quantize_activations(x, group)
+    xq = int_groups.quantize_activations(x, group)
     want_gu = torch.einsum("prh,ph->pr", w13[expert], xq[token])
     assert (torch.from_numpy(scratch["gu"]) - want_gu).norm() / want_gu.norm() <= 1e-5
-    act = moe_cpu.quantize_activations(torch.from_numpy(scratch["act"]), group)
+    act = int_groups.quantize_activations(torch.from_numpy(scratch["act"]), group)
     want = torch.zeros(tokens, H).index_add_(
         0, token, torch.einsum("phi,pi->ph", w2[expert], act) * torch.from_numpy(scratch["pair_weight"])[:, None])
     assert (torch.from_numpy(out) - want).norm() / want.norm() <= 1e-5
@@ -87,7 +88,7 @@ def test_int8_activations_stay_close_to_fp32_ones():
                                                ("int4", 32, 0.12), ("int4", 128, 0.14)])
 def test_quantisation_error_fits_the_format(fmt, group, bound):
     (v13, s13, _, _), (w13, _) = layer(fmt, group)
-    back = moe_cpu.dequantize(v13, s13, fmt, group)
+    back = int_groups.dequantize(v13, s13, fmt, group)
     assert (back - w13).norm() / w13.norm() < bound
     if fmt != "bf16":
         assert s13.shape == (E, 2 * I, H // group) and s13.dtype == np.float32
@@ -98,13 +99,13 @@ def test_int4_packing_layout():
     w = torch.zeros(1, 1, 64)
     w[0, 0, :32] = 7.0  # group 64: inputs 0..31 in the low nibbles, 32..63 in the high ones
     w[0, 0, 32:] = -7.0
-    v, s = moe_cpu.quantize(w, "int4", 64)
+    v, s = int_groups.quantize(w, "int4", 64)
     assert v.shape == (1, 1, 32) and (v == (15 | (1 << 4))).all() and s[0, 0, 0] == pytest.approx(1.0)
 
 
 def test_group_size_must_divide():
     with pytest.raises(ValueError, match="group size 96"):
-        moe_cpu.quantize(torch.randn(1, 4, 256), "int8", 96)
+        int_groups.quantize(torch.randn(1, 4, 256), "int8", 96)
 
 
 def test_grouping_keeps_every_pair():
@@ -123,7 +124,7 @@ def test_generated_code_is_vectorised():
         x = np.random.default_rng(0).standard_normal((1, H), np.float32)
         token, weight, experts, start = moe_cpu.group_by_expert(np.array([[0, 1]]), np.ones((1, 2), np.float32))
         for act_int8 in (False, True):
-            kernel(moe_cpu.FORMATS[fmt], group, v13, s13, v2, s2, x, token, weight, experts, start,
+            kernel(moe_cpu.FORMAT_CODES[fmt], group, v13, s13, v2, s2, x, token, weight, experts, start,
                    np.empty((2, 2 * I), np.float32), np.empty((2, I), np.float32), np.zeros((1, H), np.float32),
                    act_int8)
     asm = "\n".join(kernel.inspect_asm().values())
@@ -140,6 +141,7 @@ def test_int8_activations_without_vnni(tmp_path):
     """The portable path (vpmaddwd pairs, no vpdpbusd), compiled fresh in a process that may not use VNNI."""
     code = """
 import numpy as np, torch
+from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 import test_moe_cpu as t
 assert not moe_cpu._has_vnni()
@@ -148,7 +150,7 @@ for fmt, group in (("int4", 32), ("int4", 128), ("int8", 64)):
     x = torch.randn(3, t.H, generator=torch.Generator().manual_seed(0))
     ids, w = np.array([[0, 1], [2, 3], [1, 5]]), np.full((3, 2), 0.5, np.float32)
     out = moe_cpu.moe_forward(fmt, group, v13, s13, v2, s2, x.numpy(), ids, w, act_int8=True)
-    ref = moe_cpu.moe_reference(x, moe_cpu.dequantize(v13, s13, fmt, group), moe_cpu.dequantize(v2, s2, fmt, group),
+    ref = moe_cpu.moe_reference(x, int_groups.dequantize(v13, s13, fmt, group), int_groups.dequantize(v2, s2, fmt, group),
                                 torch.from_numpy(ids), torch.from_numpy(w), act_group=group)
     assert (torch.from_numpy(out) - ref).norm() / ref.norm() <= 1e-3, fmt
 print("ok")

@@ -11,11 +11,12 @@ import torch
 
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
-from glm5_offload.expert_ring import DEPTH
-from glm5_offload.loader import PlanError, load_model
+from glm5_offload.loader import load_model
 from glm5_offload.model import build_model
-from glm5_offload.planner import active_expert_weights, make_plan, parse_size
+from glm5_offload.ops.expert_ring import DEPTH
+from glm5_offload.planner import PlanError, make_plan
 from glm5_offload.rules import load_rules, place, resolve_rules_path
+from glm5_offload.util import parse_size
 
 GiB = 2**30
 
@@ -50,8 +51,8 @@ def test_glm52_at_1m_tokens_equals_the_glm5_md_formulas():
     assert round(cuda.indexer_keys / 1e9, 1) == 2.8
     unshared = plan("glm-5", 1_000_000, kv_dtype="fp8")
     assert round(device(unshared, "cuda").indexer_keys / 1e9, 1) == 10.3  # "10.3 GB without sharing"
-    assert active_expert_weights(p.config) == 75 * 8 * 3 * 6144 * 2048  # "22.6 G weights"
-    assert round(active_expert_weights(p.config) / 1e9, 1) == 22.6
+    assert p.config.active_expert_weights == 75 * 8 * 3 * 6144 * 2048  # "22.6 G weights"
+    assert round(p.config.active_expert_weights / 1e9, 1) == 22.6
     assert round(p.active_expert_bytes / 1e9, 1) == 11.3  # int4
     assert round(plan("glm-5.2", 1_000_000, expert_format="int8").active_expert_bytes / 1e9, 1) == 22.6
     assert device(p, "cpu").latent_kv == 0  # the glm5.yaml placement keeps attention and its cache on the GPU
@@ -67,7 +68,7 @@ def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
     assert cpu.latent_kv == 78 * 656 * 1_000_000
     assert cuda.latent_kv == 78 * (64 * 2**20 + 8 * 1_000_000) + (656 + 1152) * 1_000_000
     assert cuda.indexer_keys == 21 * 132 * 1_000_000
-    assert p.kv_dtypes == ["fp8"] and p.fits
+    assert [n for n in p.notes if n.startswith("latent KV")] == ["latent KV fp8 (656 B/token/layer)"] and p.fits
     assert cuda.per_token == 78 * 8 + 656 + 1152 + 21 * 132 and cpu.per_token == 78 * 656
     expert = 3 * 6144 * 2048  # gpu_tokens: the ring of DEPTH int4 experts, one expert dequantised to bf16
     assert cuda.workspace == 3 * 2**26 * 4 + DEPTH * (expert // 2 + expert // 128 * 4) + expert * 2
@@ -141,7 +142,7 @@ def test_plan_command():
 def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
     import glm5_offload.loader as loader
 
-    monkeypatch.setattr(loader, "read_tensors", lambda *a: pytest.fail("weights were read before the plan"))
+    monkeypatch.setattr(loader, "Checkpoint", lambda *a, **k: pytest.fail("the checkpoint was read before the plan"))
     with pytest.raises(PlanError) as e:
         load_model(tiny_dir(), max_seq_len=4096, budgets={"cpu": 2**20})
     assert "cpu needs" in str(e.value) and "of 0.0 GiB" in str(e.value)

@@ -14,8 +14,7 @@ from glm5_offload.errors import Glm5Error
 from glm5_offload.model import Experts, build_model
 from glm5_offload.rules import check_devices_present, load_rules, place, shipped_rule_names
 
-SHIPPED = ["glm5.yaml", "glm5-1m.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml",
-           "deepseek-v3.2.yaml", "deepseek-v3.2-cpu.yaml", "deepseek-v3.2-gpu.yaml"]
+SHIPPED = ["glm5.yaml", "glm5-1m.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]
 
 
 @functools.cache

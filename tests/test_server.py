@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from glm5_offload.engine import Engine
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
 from glm5_offload.server import make_server
 

@@ -4,12 +4,14 @@ memory on the CPU; the hot one on the GPU with the `gpu` marker)."""
 import pytest
 import torch
 
-from glm5_offload.engine import Engine
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.errors import Glm5Error
-from glm5_offload.kv_cache import FP8Keys
+from glm5_offload.formats.kv_rows import FP8Keys
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
-from glm5_offload.tiered_kv import TieredLatent, gather_rows_triton
+from glm5_offload.kernels.gather_rows import gather_rows_triton
+from glm5_offload.runtime.tiered_kv import TieredLatent
+from glm5_offload.runtime.kv_cache import new_cache
 
 from conftest import refused_rule
 
@@ -95,7 +97,7 @@ def layout_rules(path, device, op, kwargs):
 
 def run_greedy(model, prompt, steps):
     """Prefill, then greedy decode one token at a time: every step's logits."""
-    cache = model.new_cache(128)
+    cache = new_cache(model, 128)
     logits = [model(prompt.to(model.device), cache)]
     for _ in range(steps):
         token = logits[-1][-1].argmax().reshape(1)
@@ -156,4 +158,4 @@ def test_a_hot_buffer_too_small_is_refused(hf_checkpoint, tmp_path):
     path, _ = hf_checkpoint("glm_moe_dsa")
     model = load_model(path, dtype=torch.float32, rules=offload_rules(tmp_path, "cpu", 10 * 192, 4))
     with pytest.raises(Glm5Error, match="hot_budget 1920 B holds 10 latent rows of 192 B: it needs at least window 4"):
-        model.new_cache(64)
+        new_cache(model, 64)

@@ -10,45 +10,14 @@ small hot buffer on the attention's device serves the rows in use:
 slot_of[t] is token t's hot slot or -1. Before attention the selected rows that are not hot (misses)
 are copied into LRU slots; attention then runs over the hot buffer with indices mapped through
 slot_of, which reads the very same row values as the untiered cache: the outputs are equal.
-On a CUDA device the misses are read straight from pinned host memory by a Triton gather (zero-copy);
-on the CPU both tiers are host tensors and the same logic runs with torch indexing.
+On a CUDA device the misses are read straight from pinned host memory by a Triton gather (zero-copy,
+kernels/gather_rows.py); on the CPU both tiers are host tensors and the same logic runs with torch indexing.
 """
 
 import torch
-import triton
-import triton.language as tl
 
-from .errors import Glm5Error
-
-
-@triton.jit
-def _gather_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    # dst[dst_rows[i]] = src[src_rows[i]] for src_rows[i] >= 0; rows of WORDS 32-bit words
-    i = tl.program_id(0)
-    src_row = tl.load(src_rows_ptr + i)
-    if src_row >= 0:
-        dst_row = tl.load(dst_rows_ptr + i)
-        w = tl.arange(0, BLOCK)
-        values = tl.load(src_ptr + src_row * WORDS + w, mask=w < WORDS)
-        tl.store(dst_ptr + dst_row * WORDS + w, values, mask=w < WORDS)
-
-
-def gather_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor):
-    """dst[dst_rows[i]] = src[src_rows[i]] wherever src_rows[i] >= 0: the Triton gather when either side is on a
-    GPU (the other may be pinned host memory), torch's indexing when both are host tensors."""
-    if src.is_cuda or dst.is_cuda:
-        gather_rows_triton(src, src_rows, dst, dst_rows)
-    else:
-        keep = src_rows >= 0
-        dst[dst_rows[keep]] = src[src_rows[keep]]
-
-
-def gather_rows_triton(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor):
-    """The same in a kernel, one program per row. src may be pinned host memory while dst is on the GPU: the
-    loads then cross PCIe directly (zero-copy), with no staging copy. Rows must be whole 32-bit words."""
-    words = src.shape[1] * src.element_size() // 4
-    _gather_rows_kernel[(src_rows.numel(),)](src.view(torch.int32), src_rows, dst.view(torch.int32), dst_rows,
-                                             WORDS=words, BLOCK=triton.next_power_of_2(words))
+from ..errors import Glm5Error
+from ..kernels.gather_rows import gather_rows
 
 
 class TieredLatent:

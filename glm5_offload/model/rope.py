@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def inv_freq_and_scaling(config: ModelConfig) -> tuple[torch.Tensor, float]:

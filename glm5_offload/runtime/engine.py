@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from ..errors import Glm5Error
+from ..model import CausalLM
+from ..util import is_active, sync
 from .decode_graphs import DecodeGraphs, unsupported
-from .errors import Glm5Error
-from .model import CausalLM
-from .timeline import is_active
+from .kv_cache import new_cache
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,6 @@ class GenerationResult:
         # the first output token comes from the prefill's logits; decode steps make the rest
         steps = max(len(self.output_ids) - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds else 0.0
-
-
-def _sync(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -154,7 +150,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         if self.cache is None:
-            self.cache = self.model.new_cache(self.max_seq_len)
+            self.cache = new_cache(self.model, self.max_seq_len)
         # keep the cached prefix the prompt shares (at least one prompt token is run, for its logits)
         del self.cache_ids[self.cache.length :]
         keep = min(common_prefix(self.cache_ids, prompt_ids), len(prompt_ids) - 1)
@@ -165,7 +161,7 @@ class Engine:
 
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids[keep:])
-        _sync(device)
+        sync(device)
         result.prefill_seconds = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -180,6 +176,6 @@ class Engine:
             if next_id in self.stop_ids:
                 result.stop_reason = "eos"
                 break
-        _sync(device)
+        sync(device)
         result.decode_seconds = time.perf_counter() - t0
         return result

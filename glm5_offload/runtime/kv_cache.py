@@ -1,100 +1,34 @@
-"""The latent KV cache of one sequence: 576 values per token per layer, never expanded K/V.
+"""The KV cache of one sequence: per layer its latent rows, per full (indexer-owning) layer its indexer keys, in the
+forms of formats/kv_rows.py, where each layer's LatentLayout (set by its attention operator) puts them.
 
-Per layer: latent rows [max_seq_len, kv_lora_rank + qk_rope_head_dim] = [normed c | roped k_pe], in the
-model's dtype, or in the FP8 form (656 B for GLM-5): [c as e4m3 | one fp32 scale per 128 values of c |
-k_pe as bf16], as uint8 bytes. A layer's rows live on its attention's device, or (offload) in pinned host
-memory with a hot buffer on the device (tiered_kv.py).
-Per full (indexer-owning) layer: indexer keys [max_seq_len, index_head_dim] on the indexer's device, in the
-model's dtype, or with an FP8 layout as e4m3 values plus one fp32 scale per key (132 B for GLM-5).
+A layer's latent rows live on its attention's device, or (offload) in pinned host memory with a hot buffer on the
+device (tiered_kv.py). Indexer keys live on the indexer's device, as a tensor in the model's dtype or as FP8Keys.
 Shared layers keep none.
 """
 
-from dataclasses import dataclass
-
 import torch
 
-from .config import ModelConfig
-from .errors import Glm5Error
-from .kernels.dsa_triton import FP8_MAX, fp8_latent_group
-from .operators import is_positive_int
+from ..config import ModelConfig
+from ..errors import Glm5Error
+from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
+from ..model import CausalLM, LatentLayout
 from .tiered_kv import TieredLatent
 
 
-@dataclass(frozen=True)
-class FP8Keys:
-    """A full layer's indexer keys in the FP8 form: e4m3 values [max_seq_len, D] and fp32 scales [max_seq_len]."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LatentLayout:
-    """How one layer keeps its latent rows (from the attention rule's kwargs)."""
-
-    fp8: bool = False  # latent rows in the 656 B form, and the layer's indexer keys in the 132 B one
-    offload: bool = False  # rows in host memory, a hot buffer on the attention's device
-    hot_bytes: int = 256 << 20  # with offload: the hot buffer's budget
-    window: int = 1024  # with offload: recent tokens always hot
-
-
-LAYOUT_KWARGS = ("kv_dtype", "kv_offload", "hot_budget", "window")
-
-
-def latent_layout(kwargs: dict, kv_dtype: str | None = None) -> LatentLayout:
-    """An attention rule's kwargs -> the layer's LatentLayout; kv_dtype (the --kv-dtype flag) overrides theirs.
-    Raises Glm5Error naming the kwarg at fault."""
-    from .planner import parse_size
-
-    kv_dtype = kv_dtype or kwargs.get("kv_dtype", "auto")
-    if kv_dtype not in ("auto", "fp8"):
-        raise Glm5Error(f"kv_dtype must be 'auto' (the model's dtype) or 'fp8', got {kv_dtype!r}")
-    offload = kwargs.get("kv_offload", False)
-    if not isinstance(offload, bool):
-        raise Glm5Error(f"kv_offload must be true or false, got {offload!r}")
-    hot = kwargs.get("hot_budget", "256MiB")
-    hot_bytes = parse_size(str(hot), "hot_budget")
-    window = kwargs.get("window", 1024)
-    if not is_positive_int(window):
-        raise Glm5Error(f"window must be a positive number of tokens, got {window!r}")
-    return LatentLayout(fp8=kv_dtype == "fp8", offload=offload, hot_bytes=hot_bytes, window=window)
-
-
-def fp8_row_width(kv_lora_rank: int, rope_dim: int) -> int:
-    return kv_lora_rank + kv_lora_rank // fp8_latent_group(kv_lora_rank) * 4 + rope_dim * 2
-
-
-def quantize_latent(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-    """Latent rows [N, L+R] -> their FP8 form [N, L + 4L/128 + 2R] uint8."""
-    N, L = rows.shape[0], kv_lora_rank
-    G = fp8_latent_group(L)
-    c = rows[:, :L].float().view(N, L // G, G)
-    scale = c.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [N, L/G]
-    c8 = (c / scale[..., None]).to(torch.float8_e4m3fn).view(N, L)
-    pe = rows[:, L:].to(torch.bfloat16)
-    return torch.cat([c8.view(torch.uint8), scale.view(torch.uint8), pe.view(torch.uint8)], dim=1)
-
-
-def dequantize_latent(packed: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-    """FP8 rows [N, L + 4L/G + 2R] uint8 -> fp32 [N, L+R]."""
-    N, L = packed.shape[0], kv_lora_rank
-    G = fp8_latent_group(L)
-    c8 = packed[:, :L].contiguous().view(torch.float8_e4m3fn).float().view(N, L // G, G)
-    scale = packed[:, L : L + 4 * (L // G)].contiguous().view(torch.float32)
-    pe = packed[:, L + 4 * (L // G) :].contiguous().view(torch.bfloat16).float()
-    return torch.cat([(c8 * scale[..., None]).view(N, L), pe], dim=1)
+def new_cache(model: CausalLM, max_seq_len: int) -> "KVCache":
+    """An empty cache for max_seq_len tokens laid out as the model's attention operators say."""
+    return KVCache(model.config, max_seq_len, [layer.self_attn.latent_layout for layer in model.model.layers],
+                   model.dtype)
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, max_seq_len: int, latent_devices: list, index_devices: dict,
-                 dtype: torch.dtype, layouts: list[LatentLayout] | None = None):
-        """latent_devices: one device per layer; index_devices: full layer -> device of its indexer keys."""
-        self.max_seq_len, self.kv_lora_rank = max_seq_len, config.kv_lora_rank
-        self.layouts = layouts or [LatentLayout()] * len(latent_devices)
+    def __init__(self, config: ModelConfig, max_seq_len: int, layouts: list[LatentLayout], dtype: torch.dtype):
+        """layouts: one per layer; dtype: the model's (latent rows and indexer keys not in FP8 are kept in it)."""
+        self.max_seq_len, self.kv_lora_rank, self.layouts = max_seq_len, config.kv_lora_rank, layouts
         self.latent: list[torch.Tensor | TieredLatent] = []
-        staging_rows = {}  # device -> width of the prefill staging buffer the offloaded layers share
-        for device, layout in zip(latent_devices, self.layouts):
-            device = torch.device(device)
+        staging_rows = {}  # (device, row dtype) -> width of the prefill staging buffer the offloaded layers share
+        for layout in layouts:
+            device = layout.device
             width = fp8_row_width(config.kv_lora_rank, config.qk_rope_head_dim) if layout.fp8 else config.latent_dim
             row_dtype = torch.uint8 if layout.fp8 else dtype
             if layout.offload:
@@ -110,8 +44,11 @@ class KVCache:
         self.staging = {key: torch.empty(max_seq_len, width, dtype=key[1], device=key[0])
                         for key, width in staging_rows.items()}
         self.index_keys: dict[int, torch.Tensor | FP8Keys] = {}
-        for i, d in index_devices.items():
-            if self.layouts[i].fp8:
+        for i, layout in enumerate(layouts):
+            d = layout.index_device
+            if d is None:
+                continue
+            if layout.fp8:
                 self.index_keys[i] = FP8Keys(
                     torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=torch.float8_e4m3fn),
                     torch.empty(max_seq_len, device=d, dtype=torch.float32))
@@ -163,13 +100,14 @@ class KVCache:
 
     def prefetch(self, layers: list[int], indices: torch.Tensor, positions: torch.Tensor):
         """IndexShare: shared layers reuse a full layer's indices, so their misses can be fetched now, on a side
-        stream (CUDA), overlapped with the layers in between."""
+        stream (CUDA), overlapped with the layers in between (on the current stream while a CUDA graph is captured:
+        its pieces run in order anyway)."""
         below, window_end = positions[0], positions[-1] + 1
         for layer in layers:
             rows_store = self.latent[layer]
             if not isinstance(rows_store, TieredLatent) or not rows_store.fits_fetch(indices):
                 continue
-            if rows_store.device.type != "cuda":
+            if rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # a graph: in order
                 rows_store.fetch(indices, below, window_end - rows_store.window)
                 self.prefetched[layer] = None
                 continue

@@ -1,0 +1,177 @@
+"""A checkpoint directory: safetensors shards, located and checked from their headers before any data is read, then
+read tensor by tensor as the operators ask for them.
+
+Reads `model.safetensors.index.json` and its shards, or one `model.safetensors`; pickle files are never loaded.
+Accepts bf16, fp16 and fp32 tensors, and FP8 e4m3 weights with a `weight_scale_inv` sibling (the block of
+config.json's fp8 quantization_config), which read as their dequantised values (formats.fp8_blocks). The MTP
+layer (`model.layers.{num_hidden_layers}.*`) is skipped. Every tensor's name, shape and dtype is checked against
+the model's before the first is read, so a bad checkpoint raises one Glm5Error naming the tensor or file.
+"""
+
+import hashlib
+import json
+import logging
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .config import ModelConfig
+from .errors import Glm5Error
+from .formats import fp8_blocks
+
+log = logging.getLogger("glm5_offload")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+HEADER_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+                 "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32,
+                 "I64": torch.int64, "U64": torch.uint64, "BOOL": torch.bool}
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "F32": np.float32}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
+    """Each shard file, with the tensor names the index assigns to it (None: no index, take all)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+            raise Glm5Error(f"{index}: not a safetensors index (no 'weight_map' object)") from None
+        shards: dict[Path, set[str]] = {}
+        for name, file in weight_map.items():
+            shards.setdefault(model_dir / file, set()).add(name)
+        for file in shards:
+            if not file.is_file():
+                raise Glm5Error(f"{file}: shard named in {INDEX_FILE} is missing")
+        return shards
+    if (model_dir / SINGLE_FILE).is_file():
+        return {model_dir / SINGLE_FILE: None}
+    pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+    hint = f" ({', '.join(pickles)} found: pickle checkpoints are never loaded)" if pickles else ""
+    raise Glm5Error(f"{model_dir}: no {INDEX_FILE} or {SINGLE_FILE}{hint}")
+
+
+def check_shard(path: Path) -> tuple[int, dict]:
+    """Refuse a truncated or corrupt safetensors file before it is memory-mapped; (header length, header)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise Glm5Error(f"{path}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise Glm5Error(f"{path}: corrupt or truncated safetensors header (claims {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+            for v in tensors.values():
+                if v["dtype"] not in HEADER_DTYPES or not isinstance(v["shape"], list):
+                    raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+            raise Glm5Error(f"{path}: corrupt safetensors header") from None
+    if 8 + n + end != size:
+        raise Glm5Error(f"{path}: truncated or corrupt safetensors file (data needs {8 + n + end} bytes, file has {size})")
+    return n, header
+
+
+def memory_map(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only memory map (nothing is read until used)."""
+    n, header = check_shard(path)
+    arrays = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        dtype, shape = _NUMPY[info["dtype"]], tuple(info["shape"])
+        arrays[name] = (np.memmap(path, dtype=dtype, mode="r", offset=8 + n + start, shape=shape) if end > start
+                        else np.zeros(shape, dtype))
+    return arrays
+
+
+def fingerprint(model_dir: Path) -> str:
+    """Identifies a checkpoint's bytes: its files' names, sizes and modification times."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json"))
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+class Checkpoint:
+    """The tensors of model_dir that a model of config expects ({name: shape}), checked from the shard headers;
+    `aliases` names tensors read under another name (a tied lm_head reads the embedding)."""
+
+    def __init__(self, model_dir: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]],
+                 aliases: dict[str, str] | None = None):
+        self.model_dir, self.block, self.aliases = model_dir, config.fp8_block_size, aliases or {}
+        self.located: dict[str, tuple[Path, torch.dtype, tuple]] = {}  # name -> shard, dtype, shape
+        self._open: dict[Path, object] = {}
+        skipped_mtp = 0
+        for path, listed in shard_files(model_dir).items():
+            _, header = check_shard(path)
+            names = set(header) - {"__metadata__"}
+            if listed is not None and listed - names:
+                raise Glm5Error(f"{path}: {INDEX_FILE} lists {sorted(listed - names)[0]} but the shard lacks it")
+            for name in sorted(names if listed is None else listed):
+                layer = _LAYER.match(name)
+                if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                    skipped_mtp += 1
+                    continue
+                info = header[name]
+                self.located[name] = path, HEADER_DTYPES[info["dtype"]], tuple(info["shape"])
+                if name not in expected and not name.endswith(".weight_scale_inv"):
+                    raise Glm5Error(f"{path}: unexpected tensor {name} (not part of this {config.model_type} model)")
+        if skipped_mtp:
+            log.info("skipped %d tensors of the MTP layer model.layers.%d.* (not used for decoding)",
+                     skipped_mtp, config.num_hidden_layers)
+        self._check(expected)
+
+    def _check(self, expected: dict[str, tuple[int, ...]]):
+        where = self.model_dir
+        missing = [n for n in expected if n not in self.located]
+        if missing:
+            raise Glm5Error(f"{where}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        for name, (_, dtype, _) in self.located.items():
+            weight = name.removesuffix("_scale_inv")
+            if name.endswith(".weight_scale_inv") and self.located.get(weight, (0, 0))[1] != torch.float8_e4m3fn:
+                raise Glm5Error(f"{where}: unexpected tensor {name} (no float8_e4m3fn weight {weight} beside it)")
+        for name, want in expected.items():
+            _, dtype, shape = self.located[name]
+            if shape != tuple(want):
+                raise Glm5Error(f"{where}: tensor {name} has shape {shape}, expected {tuple(want)}")
+            if dtype == torch.float8_e4m3fn:
+                scale = self.located.get(name + "_scale_inv")
+                if scale is None or self.block is None:
+                    why = "without its weight_scale_inv" if scale is None else "but config.json has no fp8 quantization_config"
+                    raise Glm5Error(f"{where}: tensor {name} is float8_e4m3fn {why}")
+                want_scale = fp8_blocks.scale_shape(shape, self.block)
+                if len(shape) != 2 or scale[2] != want_scale or not scale[1].is_floating_point:
+                    raise Glm5Error(f"{where}: tensor {name}_scale_inv has shape {scale[2]} {scale[1]}, expected "
+                                    f"{want_scale} float")
+            elif dtype not in FLOAT_DTYPES:
+                raise Glm5Error(f"{where}: tensor {name} has dtype {dtype}, expected bfloat16, float16, float32 or "
+                                "float8_e4m3fn with weight_scale_inv")
+
+    def _get(self, name: str) -> torch.Tensor:
+        path = self.located[name][0]
+        try:
+            if path not in self._open:
+                self._open[path] = safe_open(path, framework="pt")
+            return self._open[path].get_tensor(name)
+        except SafetensorError as e:
+            raise Glm5Error(f"{path}: corrupt safetensors file ({e})") from None
+
+    def read(self, name: str) -> torch.Tensor:
+        """A tensor as stored (bf16, fp16, fp32), or an FP8 weight's dequantised values (fp32)."""
+        name = self.aliases.get(name, name)
+        t = self._get(name)
+        if t.dtype == torch.float8_e4m3fn:
+            return fp8_blocks.dequantize(t, self._get(name + "_scale_inv"), self.block)
+        return t

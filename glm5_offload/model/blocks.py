@@ -1,0 +1,152 @@
+"""The building blocks of the GLM-5 family's module tree, with their plain-torch reference forward: norms, linear
+layers, SwiGLU MLPs, the sigmoid router and the routed experts of a MoE block.
+
+Modules are named exactly like the checkpoint's tensors and built on the meta device; operators (glm5_offload.ops)
+fill them from the checkpoint or replace them. A forward takes one sequence, no batch dimension: x is [S, hidden].
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..util import span
+from .steps import CUT, HostStep, Pass
+
+FP32_WEIGHTS = ("e_score_correction_bias", "weights_proj.weight")  # as the releases store them, whatever the dtype
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether the checkpoint tensor `name` stays fp32 whatever the compute dtype (the router's correction bias, the
+    indexer's head weights)."""
+    return name.endswith(FP32_WEIGHTS)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """y = x W^T without bias: a slot of its own (linear.reference), so a rule can hold its weight in another form."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def reset_parameters(self):  # every weight comes from the checkpoint
+        pass
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in], dense, in the compute dtype (absorbed MLA splits kv_b_proj's into W_UK and W_UV)."""
+        return self.weight
+
+
+class LMHead(Linear):
+    """The output projection hidden -> vocab (its own class so a rule can place it by class)."""
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers, each routed expert and the shared expert."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inner)
+        self.up_proj = Linear(hidden, inner)
+        self.down_proj = Linear(inner, hidden)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with correction bias and group-limited top-k (checkpoint name `mlp.gate`)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.empty(config.n_routed_experts, dtype=torch.float32))
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x):
+        """x [T, hidden] -> expert ids [T, top_k] (int64), weights [T, top_k] (fp32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(x.shape[0], -1)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class Experts(nn.ModuleList):
+    """The routed experts, one MLP each (`mlp.experts.E.{gate,up,down}_proj`).
+
+    A MoE block drives them in three parts so that other work fits between: begin (here: compute now), host
+    (work on the host, none here), finish (the sum, on the caller's device). experts.numba's module overlaps them."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+
+    def begin(self, x, ids, weights):
+        with span("experts", x.device):
+            return self(x, ids, weights)
+
+    def host(self, pending):
+        pass
+
+    def finish(self, pending):
+        return pending
+
+    def forward(self, x, ids, weights):
+        """x [T, hidden], ids/weights [T, top_k] -> sum_i w_i * expert_i(x)."""
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = torch.where(ids == e)
+            y = self[e](x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = (
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def steps(self, norm: nn.Module) -> list:
+        """x += MoE(norm(x)) as steps on a Pass: the routing, whose input starts on its way to the experts (CPU
+        experts: to the host); the shared expert, queued meanwhile; the experts' host work; their sum."""
+
+        def route(s: Pass):
+            s.moe_x = norm(s.x)
+            ids, weights = self.gate(s.moe_x)
+            s.routed = self.experts.begin(s.moe_x, ids, weights)
+
+        def shared(s: Pass):
+            s.shared = self.shared_experts(s.moe_x)
+
+        def combine(s: Pass):
+            out = self.experts.finish(s.routed).to(s.x.device)
+            s.x = s.x + (out if self.shared_experts is None else out + s.shared.to(s.x.device))
+
+        host = HostStep(lambda s: self.experts.host(s.routed))
+        return [route, CUT, shared, host, combine] if self.shared_experts is not None else [route, CUT, host, combine]

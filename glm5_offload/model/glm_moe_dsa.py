@@ -1,0 +1,122 @@
+"""GLM-5 / GLM-5.2 (`glm_moe_dsa`) and DeepSeek-V3.2 (`deepseek_v32`): decoder layers of MLA with DSA and a dense
+or MoE MLP, the embedding, the final norm and lm_head, named like the checkpoint and built on the meta device.
+
+The forward is a list of steps on a Pass (steps.py): eagerly in `forward`, replayed from CUDA graphs by
+runtime/decode_graphs.py. x is [S, hidden] for S new tokens at positions cache.length .. +S-1; the cache holds
+every token before them and takes their rows.
+"""
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .blocks import MLP, LMHead, MoE, RMSNorm
+from .mla import Attention
+from .rope import cos_sin, inv_freq_and_scaling
+from .steps import Pass, run_steps
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        moe = config.mlp_layer_types[layer] == "moe"
+        self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def steps(self) -> list:
+        """x += attention(norm(x)) (s.indices: its selection, or the full layer's it reused), then the MLP's part."""
+
+        def attend(s: Pass):
+            h, s.indices = self.self_attn(self.input_layernorm(s.x), s.cos, s.sin, s.cache, s.positions, s.end,
+                                          s.indices)
+            s.x = s.x + h.to(s.x.device)
+
+        def dense(s: Pass):
+            s.x = s.x + self.mlp(self.post_attention_layernorm(s.x)).to(s.x.device)
+
+        return [attend] + (self.mlp.steps(self.post_attention_layernorm) if isinstance(self.mlp, MoE) else [dense])
+
+
+class Backbone(nn.Module):
+    """Checkpoint prefix `model.`: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        with torch.device("cpu"):
+            self.inv_freq, self.rope_scaling = inv_freq_and_scaling(config)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copied to each device that used it
+        self.shared_after: dict[int, list[int]] = {}  # full layer -> the shared layers that reuse its indices
+        for i, kind in enumerate(config.indexer_types):
+            if kind == "full":
+                full = i
+                self.shared_after[full] = []
+            else:
+                self.shared_after[full].append(i)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the residual stream lives: the embedding's device."""
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def steps(self) -> list:
+        """The whole forward as steps on a Pass: embedding and rope angles, each layer's steps (after a full layer
+        with shared layers above it, IndexShare's fetch of their rows), the final norm and lm_head."""
+
+        def embed(s: Pass):
+            s.x = self.model.embed_tokens(s.tokens)
+            if s.positions.device not in self._inv_freq_on:
+                self._inv_freq_on[s.positions.device] = self.inv_freq.to(s.positions.device)
+            s.cos, s.sin = cos_sin(self._inv_freq_on[s.positions.device], self.rope_scaling, s.positions)
+
+        def prefetch(shared_layers):
+            def run(s: Pass):  # the shared layers' rows move in meanwhile (tiered cache), overlapped with the layers
+                s.cache.prefetch(shared_layers, s.indices, s.positions)
+            return run
+
+        def head(s: Pass):
+            x = s.x[-1:] if s.last_only else s.x
+            s.logits = self.lm_head(self.model.norm(x)).float()
+
+        steps = [embed]
+        for layer in self.model.layers:
+            steps += layer.steps()
+            if self.shared_after.get(layer.self_attn.layer):
+                steps.append(prefetch(self.shared_after[layer.self_attn.layer]))
+        return steps + [head]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache, logits_for: str = "all") -> torch.Tensor:
+        """tokens [S] at positions cache.length .. +S-1; appends their rows to the cache.
+
+        Returns logits [S, vocab] (fp32), or [1, vocab] for the last token with logits_for="last".
+        """
+        S, start = tokens.shape[0], cache.length
+        cache.begin_pass(S)
+        positions = torch.arange(start, start + S, device=self.device)
+        s = Pass(tokens.to(self.device), positions, start + S, cache, last_only=logits_for == "last")
+        run_steps(self.steps(), s)
+        cache.length = start + S
+        return s.logits
+
+
+def build_model(config: ModelConfig) -> CausalLM:
+    """The module tree on the meta device: shapes and names only, no memory."""
+    with torch.device("meta"):
+        return CausalLM(config)

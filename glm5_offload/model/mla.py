@@ -1,0 +1,190 @@
+"""Multi-head latent attention (MLA) with DeepSeek Sparse Attention (DSA): the lightning indexer selects the cached
+rows each query attends to, and attention runs in the absorbed latent form over them, with plain-torch reference
+forwards (`indexer_scores`, `topk_indices` and `sparse_mla` are also the references of kernels/dsa_triton.py).
+
+The cache (runtime/kv_cache.py) holds per token and layer one latent row [c | k_pe] (576 values for GLM-5, never
+expanded K/V) and, in full layers, one indexer key; IndexShare's shared layers reuse the full layer's selection.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..formats.kv_rows import FP8Keys, dequantize_keys, dequantize_latent, quantize_keys
+from ..util import span
+from .blocks import Linear, RMSNorm
+from .rope import apply_rope
+
+SCORE_BUDGET = 1 << 26  # queries per chunk are bounded so that heads x queries x keys scores stay near this many
+
+
+@dataclass(frozen=True)
+class LatentLayout:
+    """Where and in which form one layer keeps its cache (set by its attention operator from the rule's kwargs)."""
+
+    device: torch.device  # the attention's: its latent rows, or their hot buffer with offload
+    index_device: torch.device | None  # its indexer's keys (None: a shared layer, no indexer)
+    fp8: bool = False  # latent rows in the 656 B form, and the layer's indexer keys in the 132 B one
+    offload: bool = False  # rows in host memory, a hot buffer on the attention's device
+    hot_bytes: int = 256 << 20  # with offload: the hot buffer's budget
+    window: int = 1024  # with offload: recent tokens always hot
+
+
+class Indexer(nn.Module):
+    """The lightning indexer: scores every cached key for each query, keeps the top index_topk."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim, self.topk = config.qk_rope_head_dim, config.index_topk
+        self.interleaved = config.indexer_rope_interleave
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(config.hidden_size, self.head_dim)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads)  # kept fp32
+
+    def scores(self, q, keys, weights, positions, end: int):
+        """Index scores [S, end] of the queries at positions [S] against the first `end` cached keys (plain torch
+        here; indexer.dsa_triton's kernel overrides it)."""
+        if isinstance(keys, FP8Keys):
+            return indexer_scores(q, dequantize_keys(keys.values[:end], keys.scales[:end]), weights, positions)
+        return indexer_scores(q, keys[:end], weights, positions)
+
+    def write_keys(self, k, cos, sin, keys, positions):
+        """Rope the new keys k [S, head_dim] and write them into the cache rows at positions [S] (FP8: values
+        and scales)."""
+        k = self._rope(k, cos, sin)
+        if isinstance(keys, FP8Keys):
+            values, scales = quantize_keys(k)
+            keys.values.view(torch.uint8).index_copy_(0, positions, values.view(torch.uint8))  # no e4m3 kernel
+            keys.scales.index_copy_(0, positions, scales)
+        else:
+            keys.index_copy_(0, positions, k.to(keys.dtype))
+
+    def query_chunk(self, n_keys: int) -> int:
+        """Queries scored per call: the reference holds [queries, heads, keys] logits at once."""
+        return max(1, SCORE_BUDGET // (self.n_heads * n_keys))
+
+    def _rope(self, t, cos, sin):
+        rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
+
+    def forward(self, x, qr, cos, sin, keys, positions, end: int):
+        """x [S, hidden], qr [S, q_lora] of the tokens at positions [S] (int64, on x's device); keys: this
+        layer's indexer-key cache rows (a tensor, or FP8Keys); end: scores cover keys 0..end-1 (>= the last
+        position + 1; keys past a query's position score -inf).
+
+        Returns the selected token positions [S, min(topk, end)] (int64), -1 where fewer are valid.
+        """
+        S = x.shape[0]
+        q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
+        self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, positions)
+        weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
+        chunk = self.query_chunk(end)
+        return torch.cat([
+            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end),
+                         self.topk)
+            for s in range(0, S, chunk)
+        ])
+
+
+def indexer_scores(q, keys, weights, positions):
+    """score[s, t] = sum_h w[s,h] * relu(q[s,h] . k[t]) * head_dim^-0.5; -inf where t > positions[s].
+
+    q [S, H, D], keys [T, D], weights [S, H] fp32, positions [S] int64 -> [S, T] fp32.
+    """
+    T = keys.shape[0]
+    logits = torch.einsum("shd,td->sht", q.float(), keys.float()) * q.shape[-1] ** -0.5
+    scores = torch.einsum("sh,sht->st", weights, F.relu(logits))
+    causal = torch.arange(T, device=q.device)[None, :] > positions[:, None]
+    return scores.masked_fill(causal, float("-inf"))
+
+
+def topk_indices(scores, k: int):
+    """Top-min(k, T) positions per row of scores [S, T]; -1 where the score is -inf (not a valid token)."""
+    values, idx = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    return idx.masked_fill(values == float("-inf"), -1)
+
+
+def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
+    """Absorbed-form sparse MLA over the latent rows each query selected.
+
+    q_lat [S, H, L] (q_nope through W_UK), q_pe [S, H, R], latent [T, L+R] = [c | k_pe],
+    indices [S, K] (int64, -1 = none) -> o [S, H, L] (the softmax-weighted sum of c), fp32.
+    latent may be in the FP8 form (uint8 rows, kv_rows.quantize_latent): rows are dequantised.
+    The result depends only on the selected rows' values in index order, not on where they sit in latent.
+    """
+    S, H = q_lat.shape[:2]
+    K = indices.shape[1]
+    out = torch.empty(S, H, kv_lora_rank, dtype=torch.float32, device=latent.device)
+    chunk = max(1, SCORE_BUDGET // (K * max(H, latent.shape[1])))
+    for s0 in range(0, S, chunk):
+        s1 = min(S, s0 + chunk)
+        idx = indices[s0:s1]
+        rows = latent[idx.clamp(min=0)]  # [s, K, L+R]
+        rows = dequantize_latent(rows.flatten(0, 1), kv_lora_rank).view(s1 - s0, K, -1) if latent.dtype == torch.uint8 \
+            else rows.float()
+        c, k_pe = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
+        scores = torch.einsum("shl,skl->shk", q_lat[s0:s1].float(), c) + torch.einsum("shr,skr->shk", q_pe[s0:s1].float(), k_pe)
+        scores = (scores * scale).masked_fill((idx < 0)[:, None, :], float("-inf"))
+        out[s0:s1] = torch.einsum("shk,skl->shl", scores.softmax(dim=-1), c)
+    return out
+
+
+class Attention(nn.Module):
+    """MLA with a latent-only cache; DSA selects the rows each query attends to."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = config.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.interleaved = config.rope_interleave
+        self.scale = config.softmax_scale
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6)
+        self.q_b_proj = Linear(config.q_lora_rank, self.n_heads * (self.nope + self.rope_dim))
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, self.kv_lora_rank + self.rope_dim)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
+        self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
+        self.indexer = Indexer(config) if config.indexer_types[layer] == "full" else None
+        self.latent_layout: LatentLayout | None = None  # its operator sets it
+
+    def attend(self, q_lat, q_pe, latent, indices):
+        """Sparse MLA over the selected latent rows -> o [S, H, kv_lora_rank] fp32 (plain torch here)."""
+        return sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
+
+    def forward(self, x, cos, sin, cache, positions, end: int, shared_indices):
+        """x [S, hidden] at positions [S] (int64, on x's device), end >= positions[-1] + 1 (Indexer.forward)
+        -> (out [S, hidden], the selected indices [S, K] for the shared layers above)."""
+        with span("attention", x.device):
+            return self._forward(x, cos, sin, cache, positions, end, shared_indices)
+
+    def _forward(self, x, cos, sin, cache, positions, end, shared_indices):
+        S = x.shape[0]
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
+        k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
+        cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
+
+        if self.indexer is not None:
+            with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
+                indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
+        else:
+            indices = shared_indices
+        latent, rows = cache.rows_for(self.layer, indices.to(x.device), positions, end)
+
+        wkv_b = self.kv_b_proj.dense_weight().view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
+        q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
+        o = self.attend(q_lat, q_pe, latent, rows)
+        out = torch.einsum("shl,hvl->shv", o, w_uv).to(x.dtype)  # [S, H, v_head_dim]
+        return self.o_proj(out.reshape(S, -1)), indices

@@ -1,0 +1,46 @@
+"""A forward pass as a list of steps on the pass's state, so that CUDA-graph decode (runtime/decode_graphs.py)
+replays the very steps the model's own forward runs: one forward to change.
+
+A step is a callable of a Pass. Two markers cut the list where the host takes part:
+  CUT        the host's next wait covers the GPU work queued before this point only (a MoE block's routing and
+             its input's copy to the host), so what comes after it (the shared expert) runs while the host works
+  HostStep   work the host does between GPU steps (the CPU experts); it reads and writes only host buffers that
+             stay put from step to step, so a replayed graph feeds it and takes its result
+Run eagerly (run_steps) the markers are plain: CUT does nothing and a HostStep is called in its turn.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+
+class Pass:
+    """One forward pass of S tokens: its inputs, the residual stream `x`, and what steps hand on to later ones
+    (the rope angles, the last full layer's selection for IndexShare, a MoE block's routed work, the logits).
+    Steps may set further attributes of their own."""
+
+    def __init__(self, tokens: torch.Tensor, positions: torch.Tensor, end: int, cache, last_only: bool = False):
+        self.tokens = tokens  # [S] int64 on the residual stream's device
+        self.positions = positions  # [S] int64 on the same device: cache.length .. +S-1
+        self.end = end  # rows 0..end-1 of the cache may be read (>= positions[-1] + 1; masked past each position)
+        self.cache = cache
+        self.last_only = last_only  # logits of the last token only
+        self.x = self.cos = self.sin = self.indices = self.logits = None
+
+
+CUT = object()
+
+
+class HostStep:
+    def __init__(self, fn: Callable[[Pass], None]):
+        self.fn = fn
+
+    def __call__(self, s: Pass):
+        self.fn(s)
+
+
+def run_steps(steps: list, s: Pass):
+    """Run steps in order, eagerly."""
+    for step in steps:
+        if step is not CUT:
+            step(s)

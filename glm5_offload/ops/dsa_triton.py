@@ -1,0 +1,45 @@
+"""`attention.dsa_triton` and `indexer.dsa_triton`: the same modules with their cores in Triton kernels
+(kernels/dsa_triton.py).
+
+Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
+indexer and keeps no indexer cache. Selection uses torch.topk on the kernel's scores. FP8 indexer keys are roped
+and quantised by one kernel straight into the cache rows.
+"""
+
+from ..formats.kv_rows import FP8Keys
+from ..kernels import INTERPRET, dsa_triton
+from ..model import SCORE_BUDGET, Attention, Indexer, Linear
+from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
+
+DEVICES = ("cuda", "cpu") if INTERPRET else ("cuda",)  # the CPU only in Triton's interpreter (the tests)
+
+
+class TritonIndexer(Indexer):
+    def scores(self, q, keys, weights, positions, end):
+        if isinstance(keys, FP8Keys):
+            return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end])
+        return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
+
+    def write_keys(self, k, cos, sin, keys, positions):
+        """FP8 rows: rope and quantisation in one kernel, straight into the cache rows at positions."""
+        if not isinstance(keys, FP8Keys):
+            return super().write_keys(k, cos, sin, keys, positions)
+        dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values, keys.scales,
+                                      rows=positions)
+
+    def query_chunk(self, n_keys: int) -> int:
+        """The kernel sums over heads as it goes: only [queries, keys] scores are held."""
+        return max(1, 2 * SCORE_BUDGET // n_keys)
+
+
+class TritonAttention(Attention):
+    def attend(self, q_lat, q_pe, latent, indices):
+        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)[0]
+
+
+OPERATORS = (
+    AttentionOperator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
+                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, Linear), devices=DEVICES, module_class=TritonAttention),
+    IndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores in a Triton kernel, torch.topk",
+                    delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
+)

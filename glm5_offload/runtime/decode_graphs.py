@@ -1,0 +1,153 @@
+"""Decode from CUDA graphs: one token a step, the model's own forward steps replayed in a few launches per MoE layer.
+
+In eager mode a GLM-5 layer issues some 200 kernels, and Python's cost of launching them is many times the
+GPU's work; with the routed experts on the CPU the step is then Python + GPU + CPU experts, one after the
+other. Here the model's forward steps (CausalLM.steps, model/steps.py) are cut where the host takes part, and
+each stretch of GPU steps between cuts is captured as a graph. For a MoE layer i with CPU experts:
+
+    A_i  the previous layer's expert sum (H2D from a pinned buffer) and shared expert + residual, norm,
+         attention (indexer, top-k, tiered fetch, sparse MLA), residual, norm, router, and the experts' input,
+         choice and weights copied D2H into pinned buffers                                     (up to the CUT)
+    B_i  the shared expert, which the GPU runs while the CPU runs the routed experts        (up to the HostStep)
+
+The host replays A_i and B_i, waits for A_i alone (the one synchronisation of the layer), runs the routed
+experts on every core into a pinned buffer (the HostStep), and replays A_{i+1}. Dense layers join the piece
+they sit in; the final norm and lm_head are the last piece.
+
+Nothing in a piece depends on a host-side position: the token and its position live in device tensors, and keys
+and rows are read up to a bucket bound (a power of two >= the context), masked past the position. One set of
+graphs serves every position of its bucket; a new bucket is captured at its first step: one eager pass of the
+steps (kernels compiled, workspaces allocated), the capture of every piece, then the replay, so that step's
+cache writes and LRU updates happen twice, harmlessly. With capture=False the same pieces run eagerly: the CPU
+tests check the cut against the model's forward.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import CUT, CausalLM, HostStep, MoE, Pass, run_steps
+from ..ops.experts_numba import NumbaExperts
+from .kv_cache import KVCache
+
+MIN_BUCKET = 4096  # smallest key bound: below it, reading more keys costs less than more graphs
+
+
+def unsupported(model: CausalLM) -> str | None:
+    """Why this placement cannot decode from CUDA graphs (None: it can)."""
+    if model.device.type != "cuda":
+        return "the model's residual stream is not on a GPU"
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, NumbaExperts):
+            return f"layer {i}'s routed experts are not experts.numba (only CPU experts are cut out of the graphs)"
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device != model.device:  # a copy between devices inside a piece would need the host
+            return f"{name} is on {t.device}, not on the residual stream's {model.device}"
+    return None
+
+
+@dataclass
+class Piece:
+    steps: list = field(default_factory=list)  # GPU steps, replayed as one graph
+    cut: bool = False  # the host's next wait covers this piece and those before it
+    host: HostStep | None = None  # after the piece: the host waits for the last cut, then does this
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+def pieces(steps: list) -> list[Piece]:
+    """Steps cut at each CUT and HostStep into pieces of GPU steps."""
+    out = [Piece()]
+    for step in steps:
+        if step is CUT:
+            out[-1].cut = True
+        elif isinstance(step, HostStep):
+            out[-1].host = step
+        else:
+            if out[-1].cut or out[-1].host:
+                out.append(Piece())
+            out[-1].steps.append(step)
+    return out
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, cache: KVCache, capture: bool = True, min_bucket: int = MIN_BUCKET):
+        self.model, self.cache, self.capture, self.min_bucket = model, cache, capture, min_bucket
+        self.token = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.positions = torch.zeros(1, dtype=torch.long, device=model.device)
+        self.buckets: dict[int, tuple[list[Piece], Pass]] = {}  # bucket -> its pieces and their pass's state
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream(model.device) if capture else None  # warm-ups and captures run on it
+        # host time of the replayed steps (capture steps are left out): whole steps, CPU experts, GPU waits
+        self.seconds = {"steps": 0.0, "experts": 0.0, "wait": 0.0}
+        self.steps = 0  # replayed steps
+
+    def bucket(self, end: int) -> int:
+        return min(max(self.min_bucket, 1 << (end - 1).bit_length()), self.cache.max_seq_len)
+
+    def _pass(self, bucket: int) -> Pass:
+        return Pass(self.token, self.positions, bucket, self.cache)
+
+    @torch.no_grad()
+    def step(self, token: int) -> torch.Tensor:
+        """Append token at position cache.length; its logits [vocab] (fp32; valid until the next step)."""
+        t0 = time.perf_counter()
+        cache = self.cache
+        position = cache.length
+        cache.begin_pass(1)
+        self.token.fill_(token)
+        self.positions.fill_(position)
+        bucket = self.bucket(position + 1)
+        replayed = bucket in self.buckets
+        if not replayed:
+            self.buckets[bucket] = self._record(bucket)
+        split = self._replay(*self.buckets[bucket])
+        cache.length = position + 1
+        if replayed:
+            self.seconds["steps"] += time.perf_counter() - t0
+            for name, seconds in split.items():
+                self.seconds[name] += seconds
+            self.steps += 1
+        return self.buckets[bucket][1].logits[0]
+
+    def _record(self, bucket: int) -> tuple[list[Piece], Pass]:
+        """The bucket's pieces and the state they read and write: captured as graphs (after one eager pass), or
+        without capture the steps to run."""
+        steps = self.model.steps()
+        if not self.capture:
+            return pieces(steps), self._pass(bucket)
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):  # the warm-up: kernels compiled, workspaces allocated
+            run_steps(steps, self._pass(bucket))
+        main.wait_stream(self.stream)
+        s, cut = self._pass(bucket), pieces(steps)
+        for piece in cut:  # in order, so later pieces read the earlier ones' static outputs
+            if piece.steps:
+                piece.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(piece.graph, pool=self.pool, stream=self.stream):
+                    for step in piece.steps:
+                        step(s)
+        return cut, s
+
+    def _replay(self, cut: list[Piece], s: Pass) -> dict[str, float]:
+        """One step: each piece in turn, the host's work after its piece once the last cut's work is done."""
+        split = {"experts": 0.0, "wait": 0.0}
+        ready = None
+        for piece in cut:
+            if piece.graph is not None:
+                piece.graph.replay()
+            elif not self.capture:
+                run_steps(piece.steps, s)
+            if piece.cut and self.capture:
+                ready = torch.cuda.Event()
+                ready.record()
+            if piece.host is not None:
+                t0 = time.perf_counter()
+                if ready is not None:
+                    ready.synchronize()
+                t1 = time.perf_counter()
+                piece.host(s)
+                split["wait"] += t1 - t0
+                split["experts"] += time.perf_counter() - t1
+        return split
