@@ -64,9 +64,9 @@ def _engine(args, tokenizer_required: bool):
     import torch
 
     from glm5_offload.config import load_config
-    from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.loader import load_model
     from glm5_offload.rules import load_rules
+    from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.util import parse_size
 
     if args.cpu_threads is not None:

@@ -15,10 +15,11 @@ import sys
 import torch
 import triton
 
-import ceilings
 from glm5_offload.formats.kv_rows import quantize_keys, quantize_latent
 from glm5_offload.kernels import dsa_triton
 from glm5_offload.model import indexer_scores, sparse_mla
+
+import ceilings
 
 H_IDX, D_IDX, H, L, R, TOPK = 32, 128, 64, 512, 64, 2048
 

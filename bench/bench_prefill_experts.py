@@ -25,10 +25,11 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import bench_experts
-import ceilings
 from glm5_offload.ops.expert_ring import ExpertRing
 from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
+
+import bench_experts
+import ceilings
 
 HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8
 

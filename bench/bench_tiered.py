@@ -22,15 +22,16 @@ from pathlib import Path
 
 import torch
 
-import ceilings
 from glm5_offload.config import load_config
 from glm5_offload.kernels.gather_rows import gather_rows_triton
 from glm5_offload.loader import load_model
 from glm5_offload.model import build_model
 from glm5_offload.planner import make_plan
 from glm5_offload.rules import load_rules, place
-from glm5_offload.tiny import make_tiny
 from glm5_offload.runtime.kv_cache import new_cache
+from glm5_offload.tiny import make_tiny
+
+import ceilings
 
 GPU_CAP = 24 << 30
 

@@ -11,9 +11,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
+from glm5_offload.runtime.engine import Engine
 
 
 def main(argv=None):

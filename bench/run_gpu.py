@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
+from glm5_offload.loader import load_model
+from glm5_offload.runtime.engine import Engine
+from glm5_offload.tiny import make_tiny
+
 import bench_dsa
 import bench_experts
 import bench_reference
 import bench_tiered
 import ceilings
-from glm5_offload.runtime.engine import Engine
-from glm5_offload.loader import load_model
-from glm5_offload.tiny import make_tiny
 
 
 def run_gpu_tests(out: Path) -> str:

@@ -10,8 +10,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .runtime.engine import Engine, GenerationResult, SamplingParams
 from .errors import Glm5Error
+from .runtime.engine import Engine, GenerationResult, SamplingParams
 
 THINK_END = "</think>"
 DIM, RESET = "\x1b[2m", "\x1b[0m"

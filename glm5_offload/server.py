@@ -13,8 +13,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .chat import ReplyStream, split_reasoning
-from .runtime.engine import Engine, SamplingParams
 from .errors import Glm5Error
+from .runtime.engine import Engine, SamplingParams
 
 ROLES = ("system", "user", "assistant", "tool", "observation")
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from glm5_offload.config import load_config
-from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
 

@@ -3,13 +3,16 @@ CPU with the pieces run eagerly, and on a GPU replayed from CUDA graphs (`gpu` m
 
 import pytest
 import torch
-from conftest import rel_err
 
-from glm5_offload.runtime.decode_graphs import DecodeGraphs, unsupported
-from glm5_offload.runtime.engine import Engine
+from glm5_offload.config import load_config
 from glm5_offload.loader import load_model
+from glm5_offload.model import CUT, HostStep, build_model
 from glm5_offload.rules import load_rules
+from glm5_offload.runtime.decode_graphs import DecodeGraphs, pieces, unsupported
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
+
+from conftest import rel_err
 
 ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
 
@@ -53,6 +56,20 @@ def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
         assert graphs.seconds["experts"] > 0
     if offload:
         assert pieces.offload_stats()["misses"] > 0
+
+
+def test_the_forward_steps_cut_at_each_moe_layers_host_work(tiny_dir):
+    """The model's own steps, cut as the graphs take them: per MoE layer a piece up to its routing (the host's
+    wait covers it), the shared expert alone, then the host's experts; the final piece ends with the logits."""
+    model = build_model(load_config(tiny_dir()))
+    cut = pieces(model.steps())
+    hosts = [i for i, piece in enumerate(cut) if piece.host is not None]
+    assert len(hosts) == len(model.config.moe_layers) == 4
+    for i in hosts:
+        assert cut[i - 1].cut and cut[i - 1].host is None and len(cut[i].steps) == 1 and not cut[i].cut
+    assert len(cut) == 2 * len(hosts) + 1 and cut[-1].host is None and not cut[-1].cut
+    assert sum(len(piece.steps) for piece in cut) == len([s for s in model.steps() if s is not CUT
+                                                          and not isinstance(s, HostStep)])
 
 
 def test_only_cpu_experts_on_a_gpu_model_decode_from_graphs(hf_checkpoint, tmp_path):

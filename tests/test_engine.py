@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from glm5_offload.runtime.engine import Engine, SamplingParams, sample
 from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.engine import Engine, SamplingParams, sample
 from glm5_offload.runtime.kv_cache import new_cache
 
 PROMPT = [12, 40, 77, 301, 5, 990, 18, 64, 64, 3, 870, 45, 12, 19, 200, 201, 202, 33, 34, 35]

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from conftest import assert_bf16_of
 
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import experts_triton
+
+from conftest import assert_bf16_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
 from conftest import rel_err

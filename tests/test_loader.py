@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats import fp8_blocks
 from glm5_offload.loader import load_model
-from glm5_offload.tiny import is_fp8_projection
 from glm5_offload.runtime.kv_cache import new_cache
+from glm5_offload.tiny import is_fp8_projection
 
 FIRST_SHARD = "model-00001-of-00005.safetensors"
 
@@ -46,16 +46,6 @@ def load_error(path) -> str:
     return str(e.value)
 
 
-def test_quantize_dequantize_round_trip_partial_blocks():
-    w = torch.randn(300, 200)  # partial 128-blocks on both axes
-    w8, scale = fp8_blocks.quantize(w)
-    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (3, 2)
-    back = fp8_blocks.dequantize(w8, scale, (128, 128))
-    assert ((back - w).norm() / w.norm()).item() < 0.05  # e4m3 keeps 3 mantissa bits
-    block = w8[128:256, 128:200].float() * scale[1, 1]
-    assert torch.equal(back[128:256, 128:200], block)
-
-
 def test_fp8_checkpoint_loads_to_dequantised_weights_exactly(tiny_dir):
     path = tiny_dir("glm_moe_dsa", fp8=True)
     model = load_model(path, dtype=torch.float32)
@@ -86,6 +76,19 @@ def test_single_file_checkpoint_and_mtp_layer_skipped(ckpt, caplog):
     lines = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
     assert len(lines) == 1 and f"{len(mtp)} tensors" in lines[0] and "model.layers.5.*" in lines[0]
     assert torch.equal(model.state_dict()["model.norm.weight"], tensors["model.norm.weight"])
+
+
+def test_tied_embeddings_read_the_embedding(ckpt):
+    """tie_word_embeddings: lm_head reads model.embed_tokens.weight; a tied checkpoint that stores lm_head too is
+    refused (its weight would be ignored)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert "unexpected tensor lm_head.weight" in load_error(ckpt)
+    rewrite_shard(ckpt, weight_map(ckpt)["lm_head.weight"], lambda t: t.pop("lm_head.weight"))
+    rewrite_index(ckpt, lambda m: m.pop("lm_head.weight"))
+    model = load_model(ckpt)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    assert torch.isfinite(model(torch.arange(12, 30), new_cache(model, 32))).all()
 
 
 def test_missing_tensor(ckpt):

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,47 @@ def test_first_match_wins_and_children_inherit_the_device(tmp_path):
     assert "model.layers.0.mlp" in p.unmatched
 
 
+def test_a_rule_file_names_the_model_families_it_suits(tmp_path):
+    path = write(tmp_path, "- default: {device: cpu, models: [deepseek_v32]}\n- match: {class: Experts}\n  replace: {device: cpu}\n")
+    assert load_rules(path).models == ("deepseek_v32",) and placement("deepseek-v3.2", path).slots
+    with pytest.raises(Glm5Error) as e:
+        placement("glm-5", path)
+    assert str(e.value) == f"{path}: the rule file suits deepseek_v32, not glm_moe_dsa"
+    assert all(load_rules(name).models == ("glm_moe_dsa", "deepseek_v32") for name in SHIPPED)
+
+
+def test_linear_is_a_slot_a_rule_can_place(tmp_path):
+    """Each projection is its own slot (linear.reference), delegated by its attention, indexer or MLP; its weights
+    are its own, no longer its parent's."""
+    path = write(tmp_path, "- default: {device: cuda}\n- match: {name: 'kv_b_proj$', class: Linear}\n"
+                           "  replace: {op: linear.reference, device: cpu}\n")
+    p = placement("glm-5", path)
+    kv_b, attention = p.slots["model.layers.3.self_attn.kv_b_proj"], p.slots["model.layers.3.self_attn"]
+    assert (kv_b.op.name, kv_b.device, kv_b.rule) == ("linear.reference", "cpu", 2)
+    assert kv_b.parent is attention and attention.children["kv_b_proj"] is kv_b
+    assert sorted(attention.own_tensors()) == ["kv_a_layernorm.weight", "q_a_layernorm.weight"]
+    assert p.slots["model.layers.3.self_attn.q_a_proj"].device == "cuda"  # its siblings stay with the attention
+    assert p.slots["model.layers.3.mlp.shared_experts.down_proj"].op.name == "linear.reference"
+    assert "model.layers.3.mlp.experts.0.down_proj" not in p.slots  # the experts operator owns its subtree
+    assert re.search(r"model\.layers\.\{0-77\}\.self_attn\.kv_b_proj +linear\.reference +cpu +bf16 +2\.13 GiB +rule 2",
+                     p.table(torch.bfloat16))
+    assert re.search(r"self_attn\.indexer\.weights_proj +linear\.reference +cuda +fp32 ",
+                     placement("glm-5", "glm5").table(torch.bfloat16))
+
+
+def test_linear_rules_leave_the_logits_unchanged(tiny_dir, tmp_path):
+    from glm5_offload.loader import load_model
+    from glm5_offload.runtime.kv_cache import new_cache
+
+    path = write(tmp_path, Path(load_rules("glm5-cpu").path).read_text()
+                 + "- match: {class: Linear}\n  replace: {op: linear.reference, device: cpu}\n")
+    ids = torch.arange(12, 40)
+    ours = load_model(tiny_dir(), dtype=torch.float32, rules=load_rules(path))
+    plain = load_model(tiny_dir(), dtype=torch.float32)
+    assert ours.placement.slots["model.layers.1.self_attn.o_proj"].rule == 10
+    assert torch.equal(ours(ids, new_cache(ours, 64)), plain(ids, new_cache(plain, 64)))
+
+
 def test_recursive_false_owns_the_subtree(tmp_path):
     path = write(tmp_path, """
 - match: {name: '^model\\.layers\\.2\\.self_attn$'}
@@ -144,6 +186,10 @@ BAD = {
     "not_a_list": ("match: {class: Experts}\n", "a rule file is a YAML list of rules"),
     "unknown_class": ("- match: {class: Expert}\n  replace: {device: cpu}\n", "rule 1: unknown class 'Expert'"),
     "no_match": ("- replace: {device: cpu}\n", "rule 1: a rule needs 'match' and 'replace'"),
+    "unknown_family": ("- default: {device: cpu, models: [glm6]}\n- match: {class: Experts}\n  replace: {device: cpu}\n",
+                       "rule 1 (default): models must list model families among glm_moe_dsa, deepseek_v32, got ['glm6']"),
+    "families_not_a_list": ("- default: {device: cpu, models: glm_moe_dsa}\n- match: {class: Experts}\n  replace: {device: cpu}\n",
+                            "rule 1 (default): models must list model families"),
 }
 
 

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from glm5_offload.runtime.engine import Engine
 from glm5_offload.loader import load_model
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.server import make_server
 
 openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU machine

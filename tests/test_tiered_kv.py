@@ -4,14 +4,14 @@ memory on the CPU; the hot one on the GPU with the `gpu` marker)."""
 import pytest
 import torch
 
-from glm5_offload.runtime.engine import Engine
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.kv_rows import FP8Keys
+from glm5_offload.kernels.gather_rows import gather_rows_triton
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
-from glm5_offload.kernels.gather_rows import gather_rows_triton
-from glm5_offload.runtime.tiered_kv import TieredLatent
+from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
+from glm5_offload.runtime.tiered_kv import TieredLatent
 
 from conftest import refused_rule
 

@@ -182,7 +182,7 @@ class Attention(nn.Module):
             indices = shared_indices
         latent, rows = cache.rows_for(self.layer, indices.to(x.device), positions, end)
 
-        wkv_b = self.kv_b_proj.dense_weight().view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        wkv_b = self.kv_b_proj.dense_weight().to(x.device).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
         q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
         o = self.attend(q_lat, q_pe, latent, rows)

@@ -12,7 +12,7 @@ from ..errors import Glm5Error
 from ..formats import dtype_name
 from ..formats.int_groups import BITS, GROUP, describe, nbytes
 from ..formats.kv_rows import key_bytes, latent_row_bytes
-from ..model import SCORE_BUDGET, MLP, Attention, Experts, Indexer, LatentLayout, Linear, LMHead, RMSNorm, Router
+from ..model import MLP, SCORE_BUDGET, Attention, Experts, Indexer, LatentLayout, Linear, LMHead, RMSNorm, Router
 from ..util import human_bytes, is_positive_int, parse_size
 from .base import Buffer, BuildContext, Operator, PlanContext, Slot
 
