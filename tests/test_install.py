@@ -1,6 +1,8 @@
 """The installed distribution: everything under glm5_offload/, no generic top-level name, a glm5 script."""
 
+import os
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,16 @@ def test_only_glm5_offload_lands_in_site_packages():
     assert top == {"glm5_offload", f"glm5_offload-{dist.version}.dist-info"}
     assert any(f == "glm5_offload/kernels/__init__.py" for f in files)
     assert any(f == "glm5_offload/cli.py" for f in files)
+
+
+def test_every_subpackage_of_the_checkout_is_installed():
+    _, files = installed_files()
+    source = Path(__file__).parents[1] / "glm5_offload"
+    packages = [Path(d).relative_to(source.parent) for d, _, names in os.walk(source, followlinks=True)
+                if "__init__.py" in names]
+    assert len(packages) > 5
+    missing = [str(p) for p in packages if f"{p.as_posix()}/__init__.py" not in files]
+    assert missing == []
 
 
 def test_console_script_and_pinned_torch():
