@@ -184,6 +184,14 @@ def cmd_rules_show(args):
     print(placement.table(dtype))
 
 
+def cmd_rules_operators(args):
+    from glm5_offload.ops import REGISTRY
+
+    for op in REGISTRY.values():
+        kwargs = f"; kwargs: {', '.join(op.kwargs)}" if op.kwargs else ""
+        print(f"{op.name:<22} replaces {op.replaces.__name__:<10} on {'/'.join(op.devices):<9} {op.summary}{kwargs}")
+
+
 def cmd_plan(args):
     from glm5_offload.planner import detected_budgets, make_plan
     from glm5_offload.util import parse_size
@@ -285,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = rules.add_parser("show", help="the placement a rule file gives a model: operator, device, format, bytes")
     placement_args(p)
     p.set_defaults(func=cmd_rules_show)
+    p = rules.add_parser("operators", help="the operators a rule can name: what each replaces, where it runs, its kwargs")
+    p.set_defaults(func=cmd_rules_operators)
 
     p = sub.add_parser("plan", help="bytes per device for a placement and a context; does it fit?")
     placement_args(p)

@@ -1,5 +1,5 @@
 """DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
-beside the plain-torch reference (glm5_offload/model.py).
+beside the plain-torch reference (glm5_offload/model/mla.py).
 
     PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8]
 

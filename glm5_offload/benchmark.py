@@ -5,7 +5,7 @@ the same positions (so CUDA graphs, when the engine decodes from them, are captu
 With CUDA graphs the second run also gives the overlapped step's split, as the host saw it: CPU experts,
 waits for the GPU (its work not hidden behind the experts) and the rest (replays, copies, sampling).
 A third run takes the eager split under a Timeline (after an untimed pass over the same positions), whose
-spans synchronise the device at their edges (timeline.py): attention (indexer and sparse MLA included), the
+spans synchronise the device at their edges (util.span): attention (indexer and sparse MLA included), the
 routed experts, the hidden state's host-GPU transfers around CPU experts, and the rest (dense and shared
 MLPs, router, norms, lm_head, sampling, Python).
 A last run prefills the context afresh under a Timeline: the same parts for the prefill (the indexer shown

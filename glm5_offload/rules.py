@@ -232,15 +232,6 @@ class Placement:
             lines.append(f"warning: rule {rule.index} ({rule.describe()}) matched nothing")
         return "\n".join(lines)
 
-    def slot_of(self, tensor_name: str) -> Slot:
-        """The slot whose operator holds a checkpoint tensor (the longest slot name prefix)."""
-        name = tensor_name
-        while "." in name:
-            name = name.rsplit(".", 1)[0]
-            if name in self.slots:
-                return self.slots[name]
-        raise KeyError(tensor_name)
-
 
 _LAYER_IN_NAME = re.compile(r"\.layers\.(\d+)\.")
 

@@ -160,6 +160,15 @@ def test_rules_show_on_shared_configs(tmp_path):
     assert "warning: rule 2 (name~no_such_module) matched nothing" in table
 
 
+def test_rules_operators_lists_what_a_rule_can_name():
+    from glm5_offload.ops import REGISTRY
+
+    lines = glm5("rules", "operators").stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(REGISTRY)
+    numba = next(line for line in lines if line.startswith("experts.numba "))
+    assert "replaces Experts" in numba and " on cpu " in numba and "kwargs: format, group_size, threads" in numba
+
+
 def glm5(*args, check=True):
     proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True,
                           text=True, env=os.environ, timeout=300)

@@ -24,9 +24,6 @@ from ..config import ModelConfig
 from ..formats import dtype_name
 from ..model import keeps_fp32
 
-KINDS = ("weights", "latent_kv", "indexer_keys", "workspace")  # what a buffer is for: the plan's columns
-
-
 @dataclass(eq=False)
 class Slot:
     name: str
@@ -53,7 +50,7 @@ class Buffer:
     """Bytes an operator needs on one device: `bytes` fixed, plus `per_token` for each token of the context."""
 
     device: str
-    kind: str  # one of KINDS
+    kind: str  # what it is for, as the plan's columns say: weights | latent_kv | indexer_keys | workspace
     bytes: int = 0
     per_token: int = 0
     shared: tuple | None = None  # a buffer slots share (the expert ring): counted once per (device, kind, shared)

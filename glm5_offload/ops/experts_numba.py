@@ -23,7 +23,7 @@ from ..errors import Glm5Error
 from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, nbytes, quantize
 from ..kernels import experts_triton, moe_cpu
 from ..model import Experts
-from ..util import cache_dir, is_positive_int, span
+from ..util import cache_dir, is_positive_int, span, sync
 from .base import Buffer, BuildContext, PlanContext, Slot
 from .expert_ring import DEPTH, ExpertRing
 from .reference import ExpertsOperator
@@ -117,8 +117,7 @@ class NumbaExperts(nn.Module):
                 flat = ids.flatten()
                 per_expert = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device)
                 per_expert.scatter_add_(0, flat, torch.ones_like(flat))
-                if per_expert.is_cuda:
-                    torch.cuda.current_stream(per_expert.device).synchronize()
+                sync(per_expert.device)
                 counts.extend(per_expert.tolist())
                 starts.extend(accumulate(counts))
             return counts[e]

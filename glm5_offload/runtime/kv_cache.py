@@ -132,17 +132,3 @@ class KVCache:
         hits = sum(int(t.hits) for t in tiers)
         misses = sum(int(t.misses) for t in tiers)
         return {"hits": hits, "misses": misses, "fetched_bytes": sum(int(t.misses) * t.row_bytes() for t in tiers)}
-
-    def nbytes(self) -> int:
-        """Bytes on the devices the cache lives on (offloaded layers: their host rows and hot buffers)."""
-        total = 0
-        for rows_store in self.latent:
-            if isinstance(rows_store, TieredLatent):
-                total += rows_store.host.numel() * rows_store.host.element_size() + rows_store.nbytes_hot()
-            else:
-                total += rows_store.numel() * rows_store.element_size()
-        total += sum(t.numel() * t.element_size() for t in self.staging.values())
-        for keys in self.index_keys.values():
-            for t in (keys.values, keys.scales) if isinstance(keys, FP8Keys) else (keys,):
-                total += t.numel() * t.element_size()
-        return total

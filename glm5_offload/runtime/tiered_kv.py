@@ -40,9 +40,6 @@ class TieredLatent:
     def row_bytes(self) -> int:
         return self.host.shape[1] * self.host.element_size()
 
-    def nbytes_hot(self) -> int:
-        return self.hot.numel() * self.hot.element_size() + (self.slot_of.numel() + 2 * self.stamp.numel()) * 8
-
     def reset(self, end: int):
         """Forget the hot state (the cache was rewound to `end` tokens); refill the window from host."""
         self.slot_of.fill_(-1)
