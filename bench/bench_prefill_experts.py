@@ -168,7 +168,8 @@ def sequence(arrays: dict, args) -> list[dict]:
                 if prefetch:
                     chain_layers(layers)
                 attention()
-                layers[-1].on_device(x, ids, w)  # warm: kernels, the ring's buffers; the first layer prefetched
+                layers[-1].on_device(x, ids, w)  # warm: kernels, the ring's buffers
+                layers[0].prepare(args.tokens if prefetch else 0, x.device)  # as a chunk's forward starts
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for layer in layers:
@@ -177,6 +178,7 @@ def sequence(arrays: dict, args) -> list[dict]:
                 torch.cuda.synchronize()
                 per_layer = (time.perf_counter() - t0) * 1e3 / args.layers
                 ring = ExpertRing.on(x.device, layers[0]._packed(), depth)
+                layers[0].prepare(args.tokens if prefetch else 0, x.device)  # the next chunk's first layer
                 attention()  # untimed: what of the next layer is staged and on the GPU once its attention is done
                 torch.cuda.current_stream().synchronize()
                 ready = [f for *_, f in ring.queue]

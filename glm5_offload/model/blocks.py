@@ -96,10 +96,14 @@ class Experts(nn.ModuleList):
     """The routed experts, one MLP each (`mlp.experts.E.{gate,up,down}_proj`).
 
     A MoE block drives them in three parts so that other work fits between: begin (here: compute now), host
-    (work on the host, none here), finish (the sum, on the caller's device). experts.numba's module overlaps them."""
+    (work on the host, none here), finish (the sum, on the caller's device). experts.numba's module overlaps them,
+    and starts streaming its weights to the GPU when told a long chunk begins (prepare)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+
+    def prepare(self, tokens: int, device: torch.device):
+        """A forward of `tokens` tokens on `device` starts (nothing to get ready here)."""
 
     def begin(self, x, ids, weights):
         with span("experts", x.device):

@@ -76,8 +76,14 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def steps(self) -> list:
-        """The whole forward as steps on a Pass: embedding and rope angles, each layer's steps (after a full layer
-        with shared layers above it, IndexShare's fetch of their rows), the final norm and lm_head."""
+        """The whole forward as steps on a Pass: the first MoE layer's experts told how long the chunk is (a long
+        one streams them to the GPU, under the layers before it), embedding and rope angles, each layer's steps
+        (after a full layer with shared layers above it, IndexShare's fetch of their rows), the final norm and
+        lm_head."""
+        moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+        def prepare(s: Pass):
+            moe[0].experts.prepare(s.tokens.shape[0], s.tokens.device)
 
         def embed(s: Pass):
             s.x = self.model.embed_tokens(s.tokens)
@@ -94,7 +100,7 @@ class CausalLM(nn.Module):
             x = s.x[-1:] if s.last_only else s.x
             s.logits = self.lm_head(self.model.norm(x)).float()
 
-        steps = [embed]
+        steps = [prepare, embed] if moe else [embed]
         for layer in self.model.layers:
             steps += layer.steps()
             if self.shared_after.get(layer.self_attn.layer):

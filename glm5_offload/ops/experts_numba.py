@@ -92,6 +92,12 @@ class NumbaExperts(nn.Module):
         else:
             yield from ((e, {n: torch.from_numpy(np.array(a[e])) for n, a in arrays.items()}) for e in list(experts))
 
+    def prepare(self, tokens: int, device: torch.device):
+        """A forward of `tokens` tokens starts: if they are a long chunk on a GPU, this layer's experts start towards
+        it now (the first MoE layer's, under the attention of the layers before it; the chain does the rest)."""
+        if device.type == "cuda" and self.gpu_tokens is not None and tokens >= self.gpu_tokens:
+            self.prefetch(device)
+
     def prefetch(self, device: torch.device):
         """Start this layer's first experts towards the GPU's ring, ahead of a long chunk's on_device."""
         arrays = self._packed()
@@ -185,8 +191,11 @@ class NumbaExperts(nn.Module):
 
 
 def chain_layers(layers: list[NumbaExperts]):
-    """Each layer's long chunks prefetch the next one's experts; the last layer's, the first's (the next chunk's)."""
-    for layer, following in zip(layers, layers[1:] + layers[:1]):
+    """Each layer's long chunks prefetch the next one's experts. The last layer's prefetch none: what follows a chunk
+    is another chunk only sometimes (a long one prepares its first MoE layer itself), and nothing may be staged
+    that nobody uses: the ring's staging thread is idle when a forward returns, so no CUDA call of it can run
+    into a CUDA graph's capture (decode's first step)."""
+    for layer, following in zip(layers, layers[1:]):
         layer.__dict__["next_layer"] = following  # not a submodule (one module, two parents)
 
 

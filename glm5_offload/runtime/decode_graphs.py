@@ -41,6 +41,8 @@ def unsupported(model: CausalLM) -> str | None:
     for i, layer in enumerate(model.model.layers):
         if isinstance(layer.mlp, MoE) and not isinstance(layer.mlp.experts, NumbaExperts):
             return f"layer {i}'s routed experts are not experts.numba (only CPU experts are cut out of the graphs)"
+        if isinstance(layer.mlp, MoE) and layer.mlp.experts.gpu_tokens == 1:
+            return f"layer {i}'s routed experts stream to the GPU from 1 token (gpu_tokens: 1), decode steps too"
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.device != model.device:  # a copy between devices inside a piece would need the host
             return f"{name} is on {t.device}, not on the residual stream's {model.device}"

@@ -1,0 +1,65 @@
+"""Every shipped rule file, and the README's recommended kwargs, over what users run (`gpu` marker): a prompt above
+gpu_tokens, decode from CUDA graphs, a second turn that rewinds the cache to a shorter prefix, a third that extends
+it; greedy outputs equal to the eager engine's (--eager)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm5_offload.loader import load_model
+from glm5_offload.ops import expert_ring
+from glm5_offload.rules import load_rules, resolve_rules_path
+from glm5_offload.runtime.engine import Engine
+from glm5_offload.tiny import make_tiny, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny architecture with dims the shipped rules' int4 groups of 128 divide, 4 layers (1 dense, 3 MoE, one
+    sharing its indexer), 4096 positions."""
+    root = tmp_path_factory.mktemp("sequences")
+    (root / "config.json").write_text(json.dumps({**tiny_config(), "hidden_size": 256, "moe_intermediate_size": 128}))
+    return make_tiny(root / "ckpt", preset=str(root / "config.json"), layers=4)
+
+
+def rule_files(tmp_path) -> list[Path]:
+    shipped = [resolve_rules_path(name) for name in ("glm5", "glm5-1m", "glm5-gpu", "glm5-cpu")]
+    ring = tmp_path / "glm5-1m-ring256.yaml"  # the README's advice for 80 GB+ GPUs: a whole layer in the ring
+    ring.write_text(shipped[1].read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256"))
+    return shipped + [ring]
+
+
+def turns(engine: Engine) -> list[list[int]]:
+    """Three turns: 1100 prompt tokens (above gpu_tokens 1024), a rewind to 500 of them and 30 new, then that
+    turn's prompt and reply and 20 more."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(12, 1024, (1100,), generator=g).tolist()
+    outputs = [engine.generate(prompt, NEW_TOKENS).output_ids]
+    second = prompt[:500] + torch.randint(12, 1024, (30,), generator=g).tolist()
+    outputs.append(engine.generate(second, NEW_TOKENS).output_ids)
+    third = second + outputs[-1] + torch.randint(12, 1024, (20,), generator=g).tolist()
+    outputs.append(engine.generate(third, NEW_TOKENS).output_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("index", range(5), ids=["glm5", "glm5-1m", "glm5-gpu", "glm5-cpu", "glm5-1m-ring256"])
+def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index):
+    rules = load_rules(rule_files(tmp_path)[index])
+    model = load_model(checkpoint, rules=rules, dtype=torch.float32, max_seq_len=4096)
+    results = {}
+    for graphs in (True, False):
+        engine = Engine(model, max_seq_len=4096, prefill_chunk=2048, cuda_graphs=graphs)
+        engine.stop_ids = set()
+        results[graphs] = turns(engine)
+        assert (engine.graphs is not None) == (graphs and engine.use_graphs)
+        assert all(not ring.queue for ring in expert_ring._rings.values())  # nothing staged that nobody uses
+    assert results[True] == results[False]
+    assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
+    if "1m" in Path(rules.path).name:
+        assert Engine(model, max_seq_len=4096).use_graphs  # the fast placement decodes from graphs
