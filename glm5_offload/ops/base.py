@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..formats import dtype_name
 from ..model import keeps_fp32
 
+
 @dataclass(eq=False)
 class Slot:
     name: str
