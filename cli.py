@@ -59,42 +59,55 @@ def cmd_make_tiny(args):
     print(f"wrote a {what}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
 
 
-def _engine(args, tokenizer_required: bool):
-    """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags."""
+def _engine(args, tokenizer_required: bool, chat: bool = False):
+    """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags. Every
+    flag and the config are checked before the tokenizer or any weight is read; chat: the tokenizer must have a
+    chat template (chat, serve)."""
     import torch
 
     from glm5_offload.config import load_config
     from glm5_offload.loader import load_model
-    from glm5_offload.rules import load_rules
+    from glm5_offload.rules import check_device, load_rules
     from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.util import parse_size
 
+    for flag, value in (("--cpu-threads", args.cpu_threads), ("--max-seq-len", args.max_seq_len),
+                        ("--prefill-chunk", args.prefill_chunk), ("--max-new-tokens", args.max_new_tokens)):
+        if value is not None and value < 1:
+            raise Glm5Error(f"{flag} must be >= 1, got {value}")
+    if args.device is not None:
+        check_device("--device", args.device)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params.check()
+    budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
+               "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
+    rules = load_rules(args.rules) if args.rules else None
     if args.cpu_threads is not None:
-        if args.cpu_threads < 1:
-            raise Glm5Error(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
         import numba
 
         torch.set_num_threads(args.cpu_threads)
         numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))
     model_dir, is_default = _model_dir(args.model)
-    tokenizer = _tokenizer(model_dir, required=tokenizer_required)
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    rules = load_rules(args.rules) if args.rules else None
     max_seq_len = args.max_seq_len or load_config(model_dir).max_position_embeddings
-    budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
-               "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
+    tokenizer = _tokenizer(model_dir, required=tokenizer_required)
+    if chat and tokenizer.chat_template is None:
+        raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
+                        "chat_template.jinja), which chat and serve need; generate --prompt takes raw text")
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(model_dir, device=args.device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
                        budgets=budgets, kv_dtype=args.kv_dtype)
-    if args.prefill_chunk < 1:
-        raise Glm5Error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=args.prefill_chunk, cuda_graphs=not args.eager)
     if args.ignore_eos:
         engine.stop_ids = set()
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     return engine, tokenizer, params, model_dir, is_default
 
 
 def cmd_generate(args):
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Glm5Error("--prompt is not valid UTF-8") from None
     engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=args.prompt is not None)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
     stream = None
@@ -103,6 +116,8 @@ def cmd_generate(args):
 
         stream = ReplyStream(tokenizer, engine.stop_ids, False, lambda piece, _: print(piece, end="", flush=True))
     result = engine.generate(prompt_ids, args.max_new_tokens, params, on_token=stream)
+    if stream is not None:
+        stream.flush()
     text = None
     if tokenizer is not None:
         ids = result.output_ids[:-1] if result.stop_reason == "eos" else result.output_ids
@@ -145,7 +160,7 @@ def cmd_bench(args):
 def cmd_chat(args):
     from glm5_offload.chat import Conversation, run_chat
 
-    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True)
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True, chat=True)
     conversation = Conversation(engine, tokenizer, params, max_new_tokens=args.max_new_tokens, system=args.system,
                                 thinking=not args.no_think, reasoning_effort=args.reasoning_effort)
     banner = (f"glm5 chat: {model_dir}" + (" (the embedded tiny model: random weights, its replies are noise)"
@@ -157,7 +172,9 @@ def cmd_chat(args):
 def cmd_serve(args):
     from glm5_offload.server import serve
 
-    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True)
+    if not 0 <= args.port <= 65535:
+        raise Glm5Error(f"--port must be 0-65535, got {args.port}")
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True, chat=True)
     serve(engine, tokenizer, model_dir.name, args.host, args.port, max_new_tokens=args.max_new_tokens,
           defaults=params, random_weights=is_default)
 
@@ -320,6 +337,9 @@ def main(argv=None) -> int:
             print(plan.table(), file=sys.stderr)
         print(f"glm5: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nglm5: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from .errors import Glm5Error
 from .runtime.engine import Engine, GenerationResult, SamplingParams
 
 THINK_END = "</think>"
+ROLES = ("system", "user", "assistant", "tool", "observation")
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 HELP = """commands:
   /help          this text
@@ -80,6 +81,7 @@ class Conversation:
         started = time.perf_counter()
         try:
             result = self.engine.generate(prompt, self.max_new_tokens, self.params, on_token=stream)
+            stream.flush()
         except KeyboardInterrupt:  # what was run through the model stays: the cache holds it
             interrupted = True
             fed = self.engine.cache_ids[len(prompt):] if self.engine.cache_ids[: len(prompt)] == prompt else []
@@ -98,21 +100,24 @@ class Conversation:
         self.engine.reset()
 
     def save(self, path: str):
-        with open(path, "w") as f:
-            json.dump({"messages": self.messages, "thinking": self.thinking,
-                       "reasoning_effort": self.reasoning_effort}, f, indent=2)
+        try:
+            with open(path, "w") as f:
+                json.dump({"messages": self.messages, "thinking": self.thinking,
+                           "reasoning_effort": self.reasoning_effort}, f, indent=2)
+        except OSError as e:
+            raise Glm5Error(f"{path}: cannot write the conversation ({e.strerror})") from None
 
     def load(self, path: str):
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
             raise Glm5Error(f"{path}: cannot read a saved conversation ({e})") from None
         messages = data.get("messages") if isinstance(data, dict) else None
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise Glm5Error(f"{path}: 'messages' must be a list of {{role, content}} objects")
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
+            raise Glm5Error(f"{path}: 'messages' must be a list of {{role, content}} objects, role one of "
+                            f"{', '.join(ROLES)}")
         self.messages = messages
         self.history_ids, self.rendered = [], ""
 
@@ -142,12 +147,21 @@ class ReplyStream:
             if end > self.sent:
                 self.on_text(text[self.sent : end], True)
             self.in_reasoning, self.sent, self.strip_newline = False, end + len(THINK_END), True
+        self._send(text, False)
+
+    def flush(self):
+        """At the reply's end: what was held back (the start of a </think> that never came, a character's first
+        bytes), as the whole reply decodes."""
+        if self.on_text is not None and self.ids:
+            self._send(self.tokenizer.decode(self.ids), self.in_reasoning)
+
+    def _send(self, text: str, reasoning: bool):
         piece, self.sent = text[self.sent :], len(text)
-        if self.strip_newline:
+        if self.strip_newline and not reasoning:
             piece = piece.lstrip("\n")
             self.strip_newline = not piece
         if piece:
-            self.on_text(piece, False)
+            self.on_text(piece, reasoning)
 
 
 def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True, inp=input, out=sys.stdout):

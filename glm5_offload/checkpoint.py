@@ -4,7 +4,8 @@ read tensor by tensor as the operators ask for them.
 Reads `model.safetensors.index.json` and its shards, or one `model.safetensors`; pickle files are never loaded.
 Accepts bf16, fp16 and fp32 tensors, and FP8 e4m3 weights with a `weight_scale_inv` sibling (the block of
 config.json's fp8 quantization_config), which read as their dequantised values (formats.fp8_blocks). The MTP
-layer (`model.layers.{num_hidden_layers}.*`) is skipped. Every tensor's name, shape and dtype is checked against
+layers that config.json's `num_nextn_predict_layers` announces after the last decoder layer are skipped; a layer
+beyond those is an error (a config with too few layers would otherwise run a smaller model silently). Every tensor's name, shape and dtype is checked against
 the model's before the first is read, so a bad checkpoint raises one Glm5Error naming the tensor or file.
 """
 
@@ -47,6 +48,8 @@ def shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
             raise Glm5Error(f"{index}: not a safetensors index (no 'weight_map' object)") from None
         shards: dict[Path, set[str]] = {}
         for name, file in weight_map.items():
+            if not isinstance(file, str) or not file or "/" in file or file.startswith("."):
+                raise Glm5Error(f"{index}: weight_map gives {name} the file {file!r}, not a shard's file name")
             shards.setdefault(model_dir / file, set()).add(name)
         for file in shards:
             if not file.is_file():
@@ -91,6 +94,8 @@ def memory_map(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         start, end = info["data_offsets"]
+        if info["dtype"] not in _NUMPY:
+            raise Glm5Error(f"{path}: tensor {name} has dtype {info['dtype']}, not one of {', '.join(_NUMPY)}")
         dtype, shape = _NUMPY[info["dtype"]], tuple(info["shape"])
         arrays[name] = (np.memmap(path, dtype=dtype, mode="r", offset=8 + n + start, shape=shape) if end > start
                         else np.zeros(shape, dtype))
@@ -113,6 +118,7 @@ class Checkpoint:
         self.model_dir, self.block, self.aliases = model_dir, config.fp8_block_size, aliases or {}
         self.located: dict[str, tuple[Path, torch.dtype, tuple]] = {}  # name -> shard, dtype, shape
         self._open: dict[Path, object] = {}
+        n_layers, n_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
         skipped_mtp = 0
         for path, listed in shard_files(model_dir).items():
             _, header = check_shard(path)
@@ -121,7 +127,11 @@ class Checkpoint:
                 raise Glm5Error(f"{path}: {INDEX_FILE} lists {sorted(listed - names)[0]} but the shard lacks it")
             for name in sorted(names if listed is None else listed):
                 layer = _LAYER.match(name)
-                if layer and int(layer.group(1)) >= config.num_hidden_layers:
+                if layer and int(layer.group(1)) >= n_layers:
+                    if int(layer.group(1)) >= n_layers + n_mtp:
+                        raise Glm5Error(f"{path}: tensor {name} is beyond the {n_layers} decoder layers and "
+                                        f"{n_mtp} MTP layer(s) config.json announces (num_hidden_layers, "
+                                        "num_nextn_predict_layers)")
                     skipped_mtp += 1
                     continue
                 info = header[name]
@@ -129,8 +139,8 @@ class Checkpoint:
                 if name not in expected and not name.endswith(".weight_scale_inv"):
                     raise Glm5Error(f"{path}: unexpected tensor {name} (not part of this {config.model_type} model)")
         if skipped_mtp:
-            log.info("skipped %d tensors of the MTP layer model.layers.%d.* (not used for decoding)",
-                     skipped_mtp, config.num_hidden_layers)
+            mtp = ", ".join(f"model.layers.{i}.*" for i in range(n_layers, n_layers + n_mtp))
+            log.info("skipped %d tensors of the MTP layer(s) %s (not used for decoding)", skipped_mtp, mtp)
         self._check(expected)
 
     def _check(self, expected: dict[str, tuple[int, ...]]):

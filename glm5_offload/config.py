@@ -52,6 +52,7 @@ class ModelConfig:
     num_experts_per_tok: int
     n_group: int
     topk_group: int
+    num_nextn_predict_layers: int  # MTP layers stored after the last decoder layer (unused for plain decoding)
     routed_scaling_factor: float
     norm_topk_prob: bool
     rms_norm_eps: float
@@ -115,7 +116,7 @@ class _Fields:
         value = self.raw[field]
         ok = {
             int: isinstance(value, int) and not isinstance(value, bool),
-            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
             bool: isinstance(value, bool),
             str: isinstance(value, str),
             dict: isinstance(value, dict),
@@ -125,10 +126,17 @@ class _Fields:
             self.fail(field, f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
         return float(value) if kind is float else value
 
-    def positive(self, field, default=...):
-        value = self.get(field, int, default)
+    def positive(self, field, default=..., kind=int):
+        value = self.get(field, kind, default)
         if value is not None and value <= 0:
             self.fail(field, f"must be > 0, got {value}")
+        return value
+
+    def count(self, field, default=...):
+        """An int >= 0."""
+        value = self.get(field, int, default)
+        if value is not None and value < 0:
+            self.fail(field, f"must be >= 0, got {value}")
         return value
 
 
@@ -162,7 +170,7 @@ def _mlp_layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
         if len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
             f.fail("mlp_layer_types", f"must list 'dense' or 'sparse' for each of {n_layers} layers")
         return tuple("moe" if t == "sparse" else "dense" for t in types)
-    n_dense = min(f.get("first_k_dense_replace", int), n_layers)
+    n_dense = min(f.count("first_k_dense_replace"), n_layers)
     return tuple(["dense"] * n_dense + ["moe"] * (n_layers - n_dense))
 
 
@@ -262,13 +270,14 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
         index_head_dim=index_head_dim,
         index_topk=f.positive("index_topk"),
         n_routed_experts=n_experts,
-        n_shared_experts=f.get("n_shared_experts", int, 1),
+        n_shared_experts=f.count("n_shared_experts", 1),
         num_experts_per_tok=top_k,
         n_group=n_group,
         topk_group=topk_group,
+        num_nextn_predict_layers=f.count("num_nextn_predict_layers", 0),
         routed_scaling_factor=f.get("routed_scaling_factor", float, 1.0),
         norm_topk_prob=f.get("norm_topk_prob", bool, True),
-        rms_norm_eps=f.get("rms_norm_eps", float),
+        rms_norm_eps=f.positive("rms_norm_eps", kind=float),
         max_position_embeddings=f.positive("max_position_embeddings"),
         rope=_rope(f),
         rope_interleave=f.get("rope_interleave", bool, True),

@@ -3,18 +3,33 @@
 
 Files are written under a temporary name and renamed, so a crash never leaves a half-written entry; entries are
 read back as memory maps. A checkpoint whose files changed (another fingerprint), or a store of another version,
-reads as empty, and its entries are made again.
+reads as empty, and its entries are made again. So does an entry whose file is not as it was written (its size,
+modification time and header, recorded in the manifest): truncated, emptied, written over or retyped, it is
+reported once and made again rather than read.
 """
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from .checkpoint import fingerprint, memory_map
+from .checkpoint import check_shard, fingerprint, memory_map
+from .errors import Glm5Error
+
+log = logging.getLogger("glm5_offload")
+
+
+def _stamp(path: Path) -> dict:
+    """What identifies a written file: size, modification time and its safetensors header's digest."""
+    n, _ = check_shard(path)
+    with open(path, "rb") as f:
+        header = f.read(8 + n)
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": hashlib.sha256(header).hexdigest()}
 
 
 class DiskStore:
@@ -35,11 +50,20 @@ class DiskStore:
         return manifest if same else {}
 
     def load(self, name: str) -> dict[str, np.ndarray] | None:
-        """The entry's arrays, memory-mapped, or None if the store lacks it."""
-        file = self.manifest().get("files", {}).get(name)
-        if not isinstance(file, str) or not (self.folder / file).is_file():
+        """The entry's arrays, memory-mapped, or None if the store lacks it or its file is not as written."""
+        entry = self.manifest().get("files", {}).get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             return None
-        return memory_map(self.folder / file)
+        path = self.folder / entry["file"]
+        try:
+            if _stamp(path) != {k: entry.get(k) for k in ("size", "mtime_ns", "header_sha256")}:
+                raise Glm5Error(f"{path}: its size, time or header changed since it was written")
+            return memory_map(path)
+        except OSError as e:
+            log.warning("%s: stored %s cannot be read (%s): making it again", path, name, e.strerror)
+        except Glm5Error as e:
+            log.warning("%s: making it again", e)
+        return None
 
     def store(self, name: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Write an entry (atomically) and return it memory-mapped."""
@@ -50,7 +74,7 @@ class DiskStore:
         os.replace(tmp, self.folder / file)
         manifest = self.manifest() or {"source": str(self.source.resolve()), "fingerprint": fingerprint(self.source),
                                        "version": self.version, "key": self.key, "files": {}}
-        manifest["files"][name] = file
+        manifest["files"][name] = {"file": file, **_stamp(self.folder / file)}
         tmp = self.folder / ".manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, self.folder / "manifest.json")

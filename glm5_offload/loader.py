@@ -5,6 +5,7 @@ Nothing is read before the placement is known to fit and every tensor of the che
 model: a bad checkpoint or a placement that does not fit raises one Glm5Error, and nothing half-loaded is used.
 """
 
+import logging
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from .model import CausalLM, build_model
 from .ops.base import BuildContext
 from .planner import PlanError, detected_budgets, make_plan
 from .rules import RuleFile, check_devices_present, place
+
+log = logging.getLogger("glm5_offload")
 
 
 def _to_device_hook(device: torch.device):
@@ -42,6 +45,11 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
     model = build_model(config)
     placement = place(model, rules, device)
     check_devices_present(placement)
+    for rule in placement.unused_rules:
+        log.warning("%s: rule %d (%s) matched no module of this model", rules.path, rule.index, rule.describe())
+    if rules is not None and placement.unmatched:
+        log.warning("%s: no rule placed %d modules (%s first): their reference operators run on %s", rules.path,
+                    len(placement.unmatched), placement.unmatched[0], placement.default_device)
     if max_seq_len is not None:
         limits = {k: v for k, v in (budgets or {}).items() if v is not None}
         plan = make_plan(config, placement, max_seq_len, {**detected_budgets(), **limits}, dtype=dtype, kv_dtype=kv_dtype)

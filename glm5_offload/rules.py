@@ -153,7 +153,11 @@ def shipped_rule_names() -> list[str]:
 def load_rules(path: str | Path) -> RuleFile:
     path = resolve_rules_path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise Glm5Error(f"{path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f":{mark.line + 1}" if mark else ""
@@ -254,6 +258,8 @@ def place(tree: nn.Module, rules: RuleFile | None, default_device: str | None = 
     model_type = tree.config.model_type
     if rules is not None and rules.models is not None and model_type not in rules.models:
         raise Glm5Error(f"{rules.path}: the rule file suits {', '.join(rules.models)}, not {model_type}")
+    if default_device is not None:
+        check_device("device", default_device)
     default = default_device or (rules.default_device if rules else None) or "cpu"
     slots: dict[str, Slot] = {}
     hits: set[int] = set()

@@ -3,20 +3,23 @@
 POST /v1/chat/completions (plain JSON, or server-sent events with "stream": true), GET /v1/models,
 GET /health. Requests queue on a lock and run one at a time; the engine's cache carries over, so a
 request that extends the previous conversation prefills only what is new. A client that goes away
-mid-stream stops its generation at the next token. Errors are JSON with the OpenAI error shape.
+mid-stream stops its generation at the next token. Errors are JSON with the OpenAI error shape, for every
+method and route; a body over MAX_BODY bytes, or one that does not arrive within TIMEOUT seconds, is refused.
 """
 
 import json
+import math
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from .chat import ReplyStream, split_reasoning
+from .chat import ROLES, ReplyStream, split_reasoning
 from .errors import Glm5Error
 from .runtime.engine import Engine, SamplingParams
 
-ROLES = ("system", "user", "assistant", "tool", "observation")
+MAX_BODY = 16 << 20  # bytes of a request body
+TIMEOUT = 30  # seconds a connection may take to send what it announced
 
 
 class RequestError(Exception):
@@ -29,7 +32,7 @@ def _number(body, name, kind, default, low=None, high=None, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         bounds = f" in {'(' if low_open else '['}{low}, {high}]" if low is not None and high is not None else (
             f" >= {low}" if low is not None else "")
@@ -38,10 +41,13 @@ def _number(body, name, kind, default, low=None, high=None, low_open=False):
     return value
 
 
-def parse_request(body, default_max_tokens: int, defaults: SamplingParams = SamplingParams()):
+def parse_request(body, default_max_tokens: int, defaults: SamplingParams = SamplingParams(), model_id: str | None = None):
     """The chat completion request's fields, checked; RequestError names the field at fault."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    if body.get("model") is not None and body["model"] != model_id:
+        raise RequestError(404, f"the model {body['model']!r} does not exist; this server has {model_id!r}", "model",
+                           "model_not_found")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list", "messages")
@@ -49,6 +55,11 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise RequestError(400, f"messages[{i}] must be an object with 'role' ({', '.join(ROLES)}) and "
                                     "string 'content'", f"messages[{i}]")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(400, f"messages[{i}].content is not valid Unicode (a lone surrogate)",
+                               f"messages[{i}]") from None
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -57,6 +68,9 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
         raise RequestError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
     if not isinstance(body.get("stream", False), bool):
         raise RequestError(400, "'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+        raise RequestError(400, "'stream_options' must be an object, its 'include_usage' a boolean", "stream_options")
     if body.get("n", 1) != 1:
         raise RequestError(400, "'n' must be 1", "n")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -65,7 +79,7 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
         temperature=_number(body, "temperature", float, defaults.temperature, 0, 2),
         top_p=_number(body, "top_p", float, defaults.top_p, 0, 1, low_open=True),
         top_k=defaults.top_k,
-        seed=_number(body, "seed", int, defaults.seed),
+        seed=_number(body, "seed", int, defaults.seed, -(2**63), 2**63 - 1),
     )
     thinking = body.get("enable_thinking", True)
     if not isinstance(thinking, bool):
@@ -89,7 +103,8 @@ class Service:
 
     def complete(self, body, emit=None) -> dict:
         """Run one request; emit(kind, text) gets the reply as it streams, and its return True stops it."""
-        messages, params, max_tokens, stop, _, thinking = parse_request(body, self.max_new_tokens, self.defaults)
+        messages, params, max_tokens, stop, _, thinking = parse_request(body, self.max_new_tokens, self.defaults,
+                                                                        self.model_id)
         prompt = self.prompt(messages, thinking)
         limit = self.engine.max_seq_len
         if len(prompt) + max_tokens > limit:
@@ -118,6 +133,7 @@ class Service:
 
         with self.lock:
             result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
+            stream.flush()
         reply = [t for t in result.output_ids if t not in self.engine.stop_ids]
         reasoning, content = split_reasoning(self.tokenizer.decode(reply), thinking)
         if state["stopped"]:
@@ -139,6 +155,7 @@ class Service:
 class Handler(BaseHTTPRequestHandler):
     service: Service  # set on the subclass serve() makes
     protocol_version = "HTTP/1.1"
+    timeout = TIMEOUT  # on the connection's socket: a body that never comes does not hold a thread
 
     def log_message(self, fmt, *args):  # one line per request on stderr, as http.server does, minus noise
         pass
@@ -149,7 +166,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def _error(self, status: int, message: str, param=None, code=None):
         kind = "invalid_request_error" if status < 500 else "server_error"
@@ -164,14 +182,32 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._error(404, f"no route GET {self.path}")
 
+    def _not_allowed(self):
+        self._error(405, f"method {self.command} is not allowed (GET /health, GET /v1/models, "
+                         "POST /v1/chat/completions)")
+
+    do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
     def do_POST(self):
         if self.path != "/v1/chat/completions":
             self._error(404, f"no route POST {self.path}")
             return
         try:
             length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY:
+            self.close_connection = True
+            self._error(413 if length > MAX_BODY else 400,
+                        f"Content-Length must be a number of bytes from 0 to {MAX_BODY}, got {self.headers.get('Content-Length')!r}")
+            return
+        try:
             body = json.loads(self.rfile.read(length) or b"null")
-        except (ValueError, UnicodeDecodeError):
+        except TimeoutError:
+            self.close_connection = True
+            self._error(408, f"the request body did not arrive within {TIMEOUT} s")
+            return
+        except (ValueError, UnicodeDecodeError, RecursionError):
             self._error(400, "the request body is not valid JSON")
             return
         try:
@@ -185,7 +221,8 @@ class Handler(BaseHTTPRequestHandler):
             self._error(400, str(e))
 
     def _stream(self, body):
-        parse_request(body, self.service.max_new_tokens, self.service.defaults)  # bad requests get a JSON error, not a stream
+        parse_request(body, self.service.max_new_tokens, self.service.defaults,
+                      self.service.model_id)  # bad requests get a JSON error, not a stream
         chunk_id, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         started = False
 

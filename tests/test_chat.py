@@ -139,3 +139,25 @@ def test_no_think_turns_thinking_off(tiny_dir):
     term.send("Hi\r")
     term.expect(STATS)
     assert term.quit() == 0
+
+
+def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
+    """/save where it cannot write, /load of a file that is not UTF-8 or names an unknown role: one error line each,
+    and the conversation goes on."""
+    (tmp_path / "latin1.json").write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}')
+    (tmp_path / "role.json").write_text(json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}))
+    term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3, "--no-think")
+    term.expect(r"\n> ")
+    term.send("Hi\r")
+    term.expect(STATS)
+    for command, error in ((f"/save {tmp_path}/no/such/dir/x.json", r"cannot write the conversation"),
+                           (f"/save {tmp_path}", r"cannot write the conversation \(Is a directory\)"),
+                           (f"/load {tmp_path}/latin1.json", r"cannot read a saved conversation"),
+                           (f"/load {tmp_path}/role.json", r"role one of system, user, assistant")):
+        term.expect(r"\n> ")
+        term.send(command + "\r")
+        term.expect(r"error: .*" + error)
+    term.expect(r"\n> ")
+    term.send("/stats\r")
+    term.expect(r"turns 1,")
+    assert term.quit() == 0

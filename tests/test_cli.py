@@ -99,6 +99,14 @@ def test_default_model_is_created_on_first_use_and_says_it_is_random(tmp_path):
     (["generate", "--prompt-ids", "1,x,3"], "--prompt-ids"),
     (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", 10, "--max-seq-len", 8], "exceeds max_seq_len 8"),
     (["generate", "--prompt-ids", "1,2,3", "--prefill-chunk", 0], "--prefill-chunk must be >= 1"),
+    (["generate", "--prompt-ids", "1,2", "--temperature", "nan"], "temperature must be a number >= 0, got nan"),
+    (["generate", "--prompt-ids", "1,2", "--seed", "1180591620717411303424"], "seed must be a 64-bit integer"),
+    (["generate", "--prompt-ids", "1,2", "--device", "cuda:x"], "--device: device must be cpu, cuda or cuda:N"),
+    (["generate", "--prompt-ids", "1,2", "--device", "tpu"], "--device: device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", -1], "--max-new-tokens must be >= 1, got -1"),
+    (["generate", "--prompt-ids", "1,2", "--max-seq-len", 0], "--max-seq-len must be >= 1, got 0"),
+    (["serve", "--port", 99999], "--port must be 0-65535, got 99999"),
+    (["serve", "--port=-1"], "--port must be 0-65535, got -1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     proc = glm5(*args, env={"XDG_CACHE_HOME": str(tmp_path)}, check=False)
@@ -165,3 +173,69 @@ def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
     glm5("make-tiny", again, "--preset", tmp_path / "preset" / "config.json", "--layers", "3", "--fp8")
     for shard in out.glob("*.safetensors"):
         assert (again / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_non_utf8_prompt_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "generate", "--prompt", b"caf\xe9 \xff"],
+                          capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == "glm5: error: --prompt is not valid UTF-8"
+
+
+def broken_copy(tiny_dir, tmp_path, config=None, drop_template=False):
+    """A make-tiny checkpoint copy with config.json keys changed (or the chat template removed)."""
+    import shutil
+
+    path = shutil.copytree(tiny_dir(), tmp_path / "ckpt")
+    if config is not None:
+        (path / "config.json").write_text(json.dumps({**json.loads((path / "config.json").read_text()), **config}))
+    if drop_template:
+        tok = json.loads((path / "tokenizer_config.json").read_text())
+        tok.pop("chat_template", None)
+        (path / "tokenizer_config.json").write_text(json.dumps(tok))
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("config, needle", [({"num_hidden_layers": -1}, "'num_hidden_layers' must be > 0"),
+                                            ({"hidden_size": "many"}, "'hidden_size' must be int"),
+                                            ({"eos_token_id": "</s>"}, "'eos_token_id' must be an integer"),
+                                            ({"n_shared_experts": -1}, "'n_shared_experts' must be >= 0")])
+def test_a_bad_config_is_one_line_before_the_tokenizer_loads(tiny_dir, tmp_path, command, config, needle):
+    path = broken_copy(tiny_dir, tmp_path, config)
+    args = [command, "--model", path] + {"generate": ["--prompt", "hi"], "chat": [], "serve": ["--port", 0]}[command]
+    proc = glm5(*args, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"glm5: error: {path / 'config.json'}: field")
+    assert needle in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_model_without_a_chat_template_is_refused_at_start(tiny_dir, tmp_path, command):
+    proc = glm5(command, "--model", broken_copy(tiny_dir, tmp_path, drop_template=True),
+                *(["--port", 0] if command == "serve" else []), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "has no chat template" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_rule_that_matches_nothing_is_warned_when_loading(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- default: {device: cpu}\n- match: {name: 'no_such_module'}\n  replace: {device: cpu}\n")
+    proc = glm5("generate", "--prompt-ids", "5,6", "--max-new-tokens", 2, "--rules", rules,
+                env={"XDG_CACHE_HOME": str(tmp_path)})
+    assert f"{rules}: rule 2 (name~no_such_module) matched no module of this model" in proc.stderr
+
+
+def test_ctrl_c_during_generate_is_one_line(tmp_path):
+    import signal
+    import time
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    glm5("make-tiny", tmp_path / "glm5-offload" / "tiny-glm5", env={"XDG_CACHE_HOME": str(tmp_path)})
+    proc = subprocess.Popen([sys.executable, "-m", "glm5_offload.cli", "generate", "--prompt-ids", "5,6",
+                             "--max-new-tokens", "4000", "--ignore-eos"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(8)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "glm5: interrupted"

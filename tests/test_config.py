@@ -89,6 +89,14 @@ def test_ill_typed_field(tmp_path, field, value):
     assert f"'{field}'" in error_of(raw(**{field: value}), tmp_path)
 
 
+@pytest.mark.parametrize("field, value, why", [
+    ("rms_norm_eps", -1, "must be > 0, got -1.0"), ("rms_norm_eps", float("nan"), "must be float, got float nan"),
+    ("routed_scaling_factor", float("inf"), "must be float"), ("first_k_dense_replace", -2, "must be >= 0, got -2"),
+    ("n_shared_experts", -1, "must be >= 0, got -1"), ("num_nextn_predict_layers", -1, "must be >= 0, got -1")])
+def test_out_of_range_field(tmp_path, field, value, why):
+    assert f"'{field}' {why}" in error_of(raw(**{field: value}), tmp_path)
+
+
 def test_bad_rope_and_quantization(tmp_path):
     assert "'rope_type'" in error_of(raw(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), tmp_path)
     assert "'factor'" in error_of(raw(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), tmp_path)

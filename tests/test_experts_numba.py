@@ -108,6 +108,42 @@ def test_cache_is_written_once_then_memory_mapped(tiny_dir, tmp_path, monkeypatc
     assert len(list((tmp_path / "cache").iterdir())) == 2  # another format, another entry
 
 
+def damage(path, how: str):
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "overwritten":  # the same size, some weights zeroed
+        data[-4096:] = bytes(4096)
+        path.write_bytes(bytes(data))
+    else:  # a header dtype retyped in place: I8 -> U8 (the same numbers read otherwise) or -> BF (unknown)
+        at = data.index(b'"dtype":"I8"') + len('"dtype":"')
+        data[at : at + 2] = how.encode()
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "overwritten", "U8", "BF"])
+def test_a_damaged_stored_layer_is_reported_and_made_again(tiny_dir, tmp_path, monkeypatch, caplog, how):
+    path = tiny_dir()
+    rules = numba_rules(tmp_path, "int8", 32)
+    first = logits(load_model(path, rules=rules, dtype=torch.float32))
+    folder = next((tmp_path / "cache").iterdir())
+    damage(folder / "model.layers.2.mlp.experts.safetensors", how)
+    calls = []
+    real = experts_numba.convert_layer
+    monkeypatch.setattr(experts_numba, "convert_layer", lambda *a: calls.append(a[0]) or real(*a))
+    with caplog.at_level("WARNING", logger="glm5_offload"):
+        again = load_model(path, rules=rules, dtype=torch.float32)
+    assert calls == ["model.layers.2.mlp.experts"]  # that layer alone, made again
+    warnings = [r.getMessage() for r in caplog.records if "making it again" in r.getMessage()]
+    assert len(warnings) == 1 and "model.layers.2.mlp.experts.safetensors" in warnings[0]
+    assert torch.equal(logits(again), first)
+    calls.clear()
+    load_model(path, rules=rules, dtype=torch.float32)
+    assert calls == []  # repaired: read from the store again
+
+
 def test_changed_checkpoint_is_converted_again(tiny_dir, tmp_path, monkeypatch):
     import shutil
 

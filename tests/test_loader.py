@@ -64,6 +64,8 @@ def test_fp8_checkpoint_loads_to_dequantised_weights_exactly(tiny_dir):
 
 
 def test_single_file_checkpoint_and_mtp_layer_skipped(ckpt, caplog):
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     tensors = {}
     for file in set(weight_map(ckpt).values()):
         tensors.update(load_file(ckpt / file))
@@ -89,6 +91,16 @@ def test_tied_embeddings_read_the_embedding(ckpt):
     model = load_model(ckpt)
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     assert torch.isfinite(model(torch.arange(12, 30), new_cache(model, 32))).all()
+
+
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_layers_beyond_the_config_are_an_error_not_a_smaller_model(ckpt, mtp):
+    """num_hidden_layers 3 on a 5-layer checkpoint: layer 3 is the MTP layer only where num_nextn_predict_layers says
+    so; layer 4 (or 3 without MTP) is refused, naming the tensor."""
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3, "num_nextn_predict_layers": mtp}))
+    message = load_error(ckpt)
+    assert f"tensor model.layers.{3 + mtp}." in message and f"beyond the 3 decoder layers and {mtp} MTP" in message
 
 
 def test_missing_tensor(ckpt):
@@ -170,6 +182,12 @@ def test_pickle_checkpoints_are_never_loaded(tmp_path, tiny_dir):
     torch.save({"x": torch.ones(1)}, tmp_path / "pytorch_model.bin")
     message = load_error(tmp_path)
     assert "pytorch_model.bin" in message and "never loaded" in message
+
+
+@pytest.mark.parametrize("file", [7, None, "../elsewhere.safetensors", ""])
+def test_index_naming_something_not_a_shard(ckpt, file):
+    rewrite_index(ckpt, lambda m: m.update({"model.norm.weight": file}))
+    assert f"weight_map gives model.norm.weight the file {file!r}, not a shard's file name" in load_error(ckpt)
 
 
 def test_bad_index_file(ckpt):

@@ -211,6 +211,14 @@ def test_bad_rule_file_is_one_line(tmp_path, case):
     assert needle in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_rule_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"# caf\xe9\n- match: {class: Experts}\n  replace: {device: cpu}\n")
+    with pytest.raises(Glm5Error) as e:
+        load_rules(path)
+    assert str(e.value) == f"{path}: not UTF-8 text (byte 5)"
+
+
 def test_bad_rule_file_on_the_command_line_exits_2_without_traceback(tmp_path):
     path = write(tmp_path, BAD["unknown_op"][0])
     proc = glm5("rules", "show", "--model", "glm-5", "--rules", path, check=False)

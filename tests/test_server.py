@@ -140,6 +140,74 @@ def test_bad_requests(server, body, param):
     assert payload["error"]["param"] == param and payload["error"]["message"]
 
 
+@pytest.mark.parametrize("body, status, param", [
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    (json.dumps({"messages": HELLO, "seed": 2**63}).encode(), 400, "seed"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages[0]"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None),
+    (json.dumps({"messages": HELLO, "stream": True, "stream_options": "x"}).encode(), 400, "stream_options"),
+    (json.dumps({"messages": HELLO, "model": "gpt-5"}).encode(), 404, "model"),
+])
+def test_hostile_requests_get_a_json_error(server, client, body, status, param):
+    got, payload = post(server, body)
+    assert got == status and payload["error"]["param"] == param and payload["error"]["message"]
+    assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+
+
+def raw_request(server, head: bytes, body: bytes = b"") -> tuple[int, dict | None]:
+    """One request on a socket as written; the status and the JSON body (None for a HEAD)."""
+    with socket.create_connection(server.server_address, timeout=30) as sock:
+        sock.sendall(head + b"\r\n\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        header, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in header.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        if head.startswith(b"HEAD"):
+            return int(header.split()[1]), None
+        while len(rest) < length:
+            rest += sock.recv(65536)
+    return int(header.split()[1]), json.loads(rest)
+
+
+@pytest.mark.parametrize("length, status", [("1000000000000", 413), ("-5", 400), ("many", 400)])
+def test_bad_content_length(server, length, status):
+    got, payload = raw_request(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                               + length.encode(), b"{}")
+    assert got == status and "Content-Length" in payload["error"]["message"]
+
+
+def test_a_body_that_never_comes_does_not_hold_a_thread(server):
+    server.RequestHandlerClass.timeout = 1
+    try:
+        t0 = time.monotonic()
+        got, payload = raw_request(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100",
+                                   b'{"messages"')
+        assert got == 408 and "did not arrive" in payload["error"]["message"] and time.monotonic() - t0 < 20
+    finally:
+        server.RequestHandlerClass.timeout = 30
+
+
+@pytest.mark.parametrize("method", ["HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"])
+def test_other_methods_get_json_405(server, method):
+    got, payload = raw_request(server, f"{method} /v1/chat/completions HTTP/1.1\r\nHost: x".encode())
+    assert got == 405
+    if payload is not None:
+        assert payload["error"]["message"].startswith(f"method {method} is not allowed")
+
+
+@pytest.mark.parametrize("max_tokens", [3, 20])
+def test_streamed_thinking_and_answer_equal_the_plain_reply(client, max_tokens):
+    """With thinking on, the end of the reply (a </think> that never came, a character's first bytes) is flushed."""
+    plain = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=max_tokens, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=max_tokens,
+                                                 temperature=0, stream=True))
+    deltas = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
+    message = plain.choices[0].message.model_dump()
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == (message.get("reasoning_content") or "")
+    assert "".join(d.get("content") or "" for d in deltas) == (message.get("content") or "")
+
+
 def test_prompt_longer_than_the_context(server, client):
     long = [{"role": "user", "content": "word " * 5000}]
     with pytest.raises(openai.BadRequestError) as e:

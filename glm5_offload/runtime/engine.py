@@ -1,5 +1,6 @@
 """Generation for one sequence: chunked prefill into the latent cache, decode loop, sampling, stop ids."""
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,12 +23,14 @@ class SamplingParams:
     seed: int | None = None
 
     def check(self):
-        if self.temperature < 0:
-            raise Glm5Error(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise Glm5Error(f"temperature must be a number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise Glm5Error(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise Glm5Error(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise Glm5Error(f"seed must be a 64-bit integer, got {self.seed}")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
