@@ -1,6 +1,7 @@
 """Soak: hundreds of chat turns of mixed lengths through the engine and through `glm5 serve` with concurrent clients,
 bounded in time; every greedy output is then checked against an eager replay (no CUDA graphs) of the same turns in
-the same order.
+the same order. Each of the two phases' turns takes a quarter of --seconds, so that with their replays (eager decode
+is slower than the graphs') the whole run takes about --seconds after the model has loaded and compiled.
 
     PYTHONPATH=.:bench python3 bench/soak.py [--model DIR] [--rules glm5-1m] [--seconds 90] [--clients 4] [--json F]
 
@@ -144,7 +145,7 @@ def main(argv=None):
     parser.add_argument("--model", help="checkpoint directory (default: a tiny one written to a temporary folder)")
     parser.add_argument("--rules", default="glm5-1m")
     parser.add_argument("--gpu-ring", type=int, help="gpu_ring in the rules' experts.numba kwargs (256: a whole layer)")
-    parser.add_argument("--seconds", type=float, default=90, help="for the turns, split between engine and serve")
+    parser.add_argument("--seconds", type=float, default=180, help="about the whole run's, turns and replays")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--dtype", default="float32", help="float32 makes graphs and eager comparable bit for bit")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
@@ -167,7 +168,7 @@ def main(argv=None):
         for phase in ("engine", "serve"):
             engine = Engine(model, max_seq_len=MAX_SEQ_LEN, prefill_chunk=args.prefill_chunk)
             recorder = Recorder(engine)
-            deadline = time.monotonic() + args.seconds / 2
+            deadline = time.monotonic() + args.seconds / 4
             started = time.monotonic()
             if phase == "engine":
                 turns, errors = engine_turns(engine, random.Random(args.seed), deadline)
