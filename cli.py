@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = rules.add_parser("show", help="the placement a rule file gives a model: operator, device, format, bytes")
     placement_args(p)
     p.set_defaults(func=cmd_rules_show)
-    p = rules.add_parser("operators", help="the operators a rule can name: what each replaces, where it runs, its kwargs")
+    p = rules.add_parser("operators",
+                         help="the operators a rule can name: what each replaces, where it runs, its kwargs")
     p.set_defaults(func=cmd_rules_operators)
 
     p = sub.add_parser("plan", help="bytes per device for a placement and a context; does it fit?")

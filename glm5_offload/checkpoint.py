@@ -5,8 +5,9 @@ Reads `model.safetensors.index.json` and its shards, or one `model.safetensors`;
 Accepts bf16, fp16 and fp32 tensors, and FP8 e4m3 weights with a `weight_scale_inv` sibling (the block of
 config.json's fp8 quantization_config), which read as their dequantised values (formats.fp8_blocks). The MTP
 layers that config.json's `num_nextn_predict_layers` announces after the last decoder layer are skipped; a layer
-beyond those is an error (a config with too few layers would otherwise run a smaller model silently). Every tensor's name, shape and dtype is checked against
-the model's before the first is read, so a bad checkpoint raises one Glm5Error naming the tensor or file.
+beyond those is an error (a config with too few layers would otherwise run a smaller model silently). Every
+tensor's name, shape and dtype is checked against the model's before the first is read, so a bad checkpoint
+raises one Glm5Error naming the tensor or file.
 """
 
 import hashlib
@@ -148,9 +149,10 @@ class Checkpoint:
         missing = [n for n in expected if n not in self.located]
         if missing:
             raise Glm5Error(f"{where}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        for name, (_, dtype, _) in self.located.items():
+        for name in self.located:
             weight = name.removesuffix("_scale_inv")
-            if name.endswith(".weight_scale_inv") and self.located.get(weight, (0, 0))[1] != torch.float8_e4m3fn:
+            if name.endswith(".weight_scale_inv") and (weight not in self.located
+                                                       or self.located[weight][1] != torch.float8_e4m3fn):
                 raise Glm5Error(f"{where}: unexpected tensor {name} (no float8_e4m3fn weight {weight} beside it)")
         for name, want in expected.items():
             _, dtype, shape = self.located[name]

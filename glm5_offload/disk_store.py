@@ -36,7 +36,7 @@ class DiskStore:
     def __init__(self, root: Path, source: Path, key: dict, version: int):
         """root: the folder of stores; source: the checkpoint directory; key: what else tells entries apart (a
         format, a group size); version: of the entries' layout."""
-        self.root, self.source, self.key, self.version = root, source, key, version
+        self.source, self.key, self.version = source, key, version
         ident = json.dumps([str(source.resolve()), *key.values(), version])
         self.folder = root / hashlib.sha256(ident.encode()).hexdigest()[:16]
 

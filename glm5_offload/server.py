@@ -32,7 +32,8 @@ def _number(body, name, kind, default, low=None, high=None, low_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and math.isfinite(value)
+    ok = (isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+          and math.isfinite(value))
     if not ok or (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         bounds = f" in {'(' if low_open else '['}{low}, {high}]" if low is not None and high is not None else (
             f" >= {low}" if low is not None else "")
@@ -41,7 +42,8 @@ def _number(body, name, kind, default, low=None, high=None, low_open=False):
     return value
 
 
-def parse_request(body, default_max_tokens: int, defaults: SamplingParams = SamplingParams(), model_id: str | None = None):
+def parse_request(body, default_max_tokens: int, defaults: SamplingParams = SamplingParams(),
+                  model_id: str | None = None):
     """The chat completion request's fields, checked; RequestError names the field at fault."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
@@ -69,7 +71,8 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
     if not isinstance(body.get("stream", False), bool):
         raise RequestError(400, "'stream' must be a boolean", "stream")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
+    if options is not None and (not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
         raise RequestError(400, "'stream_options' must be an object, its 'include_usage' a boolean", "stream_options")
     if body.get("n", 1) != 1:
         raise RequestError(400, "'n' must be 1", "n")
