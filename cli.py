@@ -59,6 +59,25 @@ def cmd_make_tiny(args):
     print(f"wrote a {what}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
 
 
+def _rules(args, run: bool):
+    """(rule file, device) from --rules and --device: without --rules, the default placement rules/glm5.yaml (said on
+    stderr, with why); to run it (run), on the CPU where this machine has no GPU and no --device says otherwise."""
+    import torch
+
+    from glm5_offload.rules import DEFAULT_RULES, check_device, load_rules
+
+    if args.device is not None:
+        check_device("--device", args.device)
+    if args.rules:
+        return load_rules(args.rules), args.device
+    device = args.device or (None if torch.cuda.is_available() or not run else "cpu")
+    where = (" on the CPU: this machine has no GPU, so the GPU operators run their references (--device cpu)"
+             if device == "cpu" and args.device is None else "")
+    print(f"glm5: no --rules given: the default placement {DEFAULT_RULES} (routed experts int4 on the CPU, the rest on "
+          f"the GPU in FP8, the tiered FP8 cache){where}", file=sys.stderr)
+    return load_rules(DEFAULT_RULES), device
+
+
 def _engine(args, tokenizer_required: bool, chat: bool = False):
     """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags. Every
     flag and the config are checked before the tokenizer or any weight is read; chat: the tokenizer must have a
@@ -67,7 +86,6 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
 
     from glm5_offload.config import load_config
     from glm5_offload.loader import load_model
-    from glm5_offload.rules import check_device, load_rules
     from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.util import parse_size
 
@@ -75,13 +93,11 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
                         ("--prefill-chunk", args.prefill_chunk), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise Glm5Error(f"{flag} must be >= 1, got {value}")
-    if args.device is not None:
-        check_device("--device", args.device)
+    rules, device = _rules(args, run=True)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     params.check()
     budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
-    rules = load_rules(args.rules) if args.rules else None
     if args.cpu_threads is not None:
         import numba
 
@@ -94,7 +110,7 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
         raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
                         "chat_template.jinja), which chat and serve need; generate --prompt takes raw text")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load_model(model_dir, device=args.device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
+    model = load_model(model_dir, device=device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
                        budgets=budgets, kv_dtype=args.kv_dtype)
     engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=args.prefill_chunk, cuda_graphs=not args.eager)
     if args.ignore_eos:
@@ -184,14 +200,12 @@ def _placement(args):
 
     from glm5_offload.config import load_config
     from glm5_offload.model import build_model
-    from glm5_offload.rules import check_device, load_rules, place
+    from glm5_offload.rules import place
 
     config = load_config(args.model)
-    if args.device is not None:
-        check_device("--device", args.device)
-    rules = load_rules(args.rules) if args.rules else None
+    rules, device = _rules(args, run=False)
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, config.dtype)
-    return config, place(build_model(config), rules, args.device), dtype
+    return config, place(build_model(config), rules, device), dtype
 
 
 def cmd_rules_show(args):
@@ -250,9 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def engine_args(p, temperature: float, top_p: float, max_new_tokens: int):
         p.add_argument("--model", help="checkpoint directory (default: the embedded tiny model, random weights)")
-        p.add_argument("--rules", help="rule file placing the modules (a path or a shipped name such as glm5-cpu)")
+        p.add_argument("--rules", help="rule file placing the modules: a path or a shipped name (glm5, glm5-reference, "
+                            "glm5-cpu, glm5-gpu; default glm5)")
         p.add_argument("--device", default=None,
-                       help="default device: cpu, cuda or cuda:N (default: the rule file's, else cpu)")
+                       help="run what the rules put on a GPU here: cpu, cuda or cuda:N (cpu: the whole placement on the "
+                            "CPU, through the operators' references where needed; default: the rule file's, or cpu "
+                            "without a GPU and without --rules)")
         p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                        help="compute dtype (default: the checkpoint's)")
         p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")
@@ -302,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def placement_args(p):
         p.add_argument("--model", required=True, help="model directory, config.json, or preset (glm-5, glm-5.2, ...)")
-        p.add_argument("--rules", help="rule file (a path or a shipped name such as glm5)")
-        p.add_argument("--device", default=None, help="default device for modules no rule places")
+        p.add_argument("--rules", help="rule file: a path or a shipped name (default glm5)")
+        p.add_argument("--device", default=None, help="run what the rules put on a GPU here: cpu, cuda or cuda:N")
         p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None)
 
     rules = sub.add_parser("rules", help="inspect rule files").add_subparsers(dest="rules_command", required=True)

@@ -180,6 +180,14 @@ class Checkpoint:
         except SafetensorError as e:
             raise Glm5Error(f"{path}: corrupt safetensors file ({e})") from None
 
+    def read_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An FP8 weight as stored, (W8 float8_e4m3fn, scale_inv fp32), when its blocks are fp8_blocks' 128 x 128;
+        None for any other weight."""
+        name = self.aliases.get(name, name)
+        if self.located[name][1] != torch.float8_e4m3fn or tuple(self.block) != fp8_blocks.BLOCK:
+            return None
+        return self._get(name), self._get(name + "_scale_inv").float()
+
     def read(self, name: str) -> torch.Tensor:
         """A tensor as stored (bf16, fp16, fp32), or an FP8 weight's dequantised values (fp32)."""
         name = self.aliases.get(name, name)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from .checkpoint import Checkpoint
 from .config import load_config
+from .errors import Glm5Error
 from .model import CausalLM, build_model
 from .ops.base import BuildContext
 from .planner import PlanError, detected_budgets, make_plan
@@ -61,7 +62,12 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
     ctx = BuildContext(config, dtype, model_dir, kv_dtype)
     slots = list(placement.slots.values())
     for slot in tqdm(slots, desc="loading", unit="module", disable=None):
-        module = slot.op.build(slot, checkpoint, ctx)
+        try:
+            module = slot.op.build(slot, checkpoint, ctx)
+        except Glm5Error as e:
+            if rules is None or slot.rule is None:
+                raise
+            raise Glm5Error(f"{rules.path}: rule {slot.rule} ({slot.op.name} on {slot.name}): {e}") from None
         if module is not slot.module:
             parent, _, child = slot.name.rpartition(".")
             setattr(model.get_submodule(parent), child, module)

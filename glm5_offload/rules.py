@@ -30,6 +30,7 @@ from .util import human_bytes, ranges
 
 RULE_KEYS = {"match", "replace", "recursive"}
 MATCH_KEYS = {"name", "class"}
+DEFAULT_RULES = "glm5"  # the shipped placement a user gets without --rules (rules/glm5.yaml)
 REPLACE_KEYS = {"op", "device", "kwargs"}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -253,14 +254,18 @@ def _with_layers(pattern: str, layers: list[int]) -> str:
     return pattern.replace("{L}", "{" + ranges(layers) + "}") if layers else pattern
 
 
-def place(tree: nn.Module, rules: RuleFile | None, default_device: str | None = None) -> Placement:
-    """Walk the (meta) module tree of a CausalLM and give every slot its operator and device."""
+def place(tree: nn.Module, rules: RuleFile | None, device: str | None = None) -> Placement:
+    """Walk the (meta) module tree of a CausalLM and give every slot its operator and device.
+
+    device (the --device flag) is where to run what the rules put on a GPU, and what no rule places: cuda:1 moves the
+    GPU's part to GPU 1; cpu runs the whole placement on the CPU, each operator that cannot run there replaced by
+    its class's reference operator (with the kwargs they share), so any rule file can be tried without a GPU."""
     model_type = tree.config.model_type
     if rules is not None and rules.models is not None and model_type not in rules.models:
         raise Glm5Error(f"{rules.path}: the rule file suits {', '.join(rules.models)}, not {model_type}")
-    if default_device is not None:
-        check_device("device", default_device)
-    default = default_device or (rules.default_device if rules else None) or "cpu"
+    if device is not None:
+        check_device("device", device)
+    default = device or (rules.default_device if rules else None) or "cpu"
     slots: dict[str, Slot] = {}
     hits: set[int] = set()
 
@@ -270,32 +275,44 @@ def place(tree: nn.Module, rules: RuleFile | None, default_device: str | None = 
             rule = next((r for r in rules.rules if r.matches(name, module)), None)
         if rule is not None:
             hits.add(rule.index)
-        device = (rule.device if rule and rule.device else None) or (inherited[0] if inherited else None)
+        on = (rule.device if rule and rule.device else None) or (inherited[0] if inherited else None)
+        if on is not None and device is not None and on.startswith("cuda"):
+            on = device
         source = rule.index if rule else (inherited[1] if inherited else None)
         op = DEFAULT_OP.get(type(module))
-        if rule and rule.op and (device or default).split(":")[0] not in rule.op.devices:
-            raise Glm5Error(f"{rules.path}: rule {rule.index}: operator {rule.op.name} runs on "
-                            f"{' or '.join(rule.op.devices)}, not {device or default}")
+        kwargs = rule.kwargs if rule and rule.op else None
         if rule and rule.op:
             if rule.op.replaces is not type(module):
                 raise Glm5Error(f"{rules.path}: rule {rule.index}: operator {rule.op.name} replaces "
                                 f"{rule.op.replaces.__name__}, but matched {name} ({type(module).__name__}); "
                                 "add a 'class' to the match")
             op = rule.op
+            if (on or default).split(":")[0] not in op.devices:
+                if device is None:
+                    raise Glm5Error(f"{rules.path}: rule {rule.index}: operator {op.name} runs on "
+                                    f"{' or '.join(op.devices)}, not {on or default}")
+                op = DEFAULT_OP[op.replaces]  # --device moved it where only its reference runs
+                kwargs = op.parse_kwargs({k: v for k, v in kwargs.items() if k in op.kwargs})
         children = list(module.named_children())
         if op is not None:
-            kwargs = rule.kwargs if rule and rule.op else op.parse_kwargs({})
-            slot = slots[name] = Slot(name, module, op, device or default, kwargs, source, parent)
+            slot = slots[name] = Slot(name, module, op, on or default, op.parse_kwargs({}) if kwargs is None else kwargs,
+                                      source, parent)
             if parent is not None:
                 parent.children[name.removeprefix(parent.name + ".")] = slot
             parent = slot
             children = [(n, m) for n, m in children if isinstance(m, op.delegates)]
-        inherit = (device, source) if device is not None or source is not None else None
+        inherit = (on, source) if on is not None or source is not None else None
         for child_name, child in children:
             visit(f"{name}.{child_name}" if name else child_name, child, inherit,
                   free or (rule is not None and not rule.recursive), parent)
 
     visit("", tree, None, False, None)
+    for slot in slots.values():
+        try:
+            slot.op.check(slot)
+        except Glm5Error as e:
+            where = f"{rules.path}: rule {slot.rule}" if rules is not None and slot.rule is not None else "default"
+            raise Glm5Error(f"{where}: {slot.op.name} on {slot.name}: {e}") from None
     unmatched = [n for n, s in slots.items() if s.rule is None]
     unused = [r for r in (rules.rules if rules else ()) if r.index not in hits]
     return Placement(rules, default, slots, unmatched, unused)

@@ -54,9 +54,9 @@ def test_cuda_reference_bf16_fp8_checkpoint(tiny_dir):
     assert gpu_error <= 1.5 * cpu_error + 5e-3
 
 
-@pytest.mark.parametrize("rules", ["glm5", "glm5-gpu"])
+@pytest.mark.parametrize("rules", ["glm5-reference", "glm5-gpu"])
 def test_workstation_placement_matches_cpu(hf_checkpoint, rules):
-    """glm5.yaml: experts on the CPU, the rest on the GPU; activations cross between them."""
+    """glm5-reference.yaml: experts on the CPU, the rest on the GPU; activations cross between them."""
     from glm5_offload.rules import load_rules
 
     path, _ = hf_checkpoint("glm_moe_dsa")
@@ -64,7 +64,7 @@ def test_workstation_placement_matches_cpu(hf_checkpoint, rules):
     cpu = load_model(path, dtype=torch.float32)
     placed = load_model(path, dtype=torch.float32, rules=load_rules(rules))
     experts = placed.model.layers[1].mlp.experts[0].up_proj.weight.device.type
-    assert experts == ("cpu" if rules == "glm5" else "cuda")
+    assert experts == ("cpu" if rules == "glm5-reference" else "cuda")
     assert placed.model.layers[1].self_attn.q_a_proj.weight.device.type == "cuda"
     expected = cpu(ids, new_cache(cpu, 64))
     got = placed(ids, new_cache(placed, 64)).cpu()

@@ -27,7 +27,7 @@ def meta_model(preset):
 
 
 @functools.cache
-def placed(preset, rules="glm5"):
+def placed(preset, rules="glm5-reference"):
     return load_config(preset), place(meta_model(preset), load_rules(rules))
 
 
@@ -55,33 +55,35 @@ def test_glm52_at_1m_tokens_equals_the_glm5_md_formulas():
     assert round(p.config.active_expert_weights / 1e9, 1) == 22.6
     assert round(p.active_expert_bytes / 1e9, 1) == 11.3  # int4
     assert round(plan("glm-5.2", 1_000_000, expert_format="int8").active_expert_bytes / 1e9, 1) == 22.6
-    assert device(p, "cpu").latent_kv == 0  # the glm5.yaml placement keeps attention and its cache on the GPU
+    assert device(p, "cpu").latent_kv == 0  # the reference placement keeps attention and its cache on the GPU
 
 
 def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
-    """glm5-1m.yaml: FP8 rows of every layer in host memory; per layer a 64 MiB hot buffer and an 8-byte slot
-    per token on the GPU, plus one staging buffer of every row for prefill and one of their bf16 conversion;
-    132-byte indexer keys."""
-    config, placement = placed("glm-5.2", "glm5-1m")
-    p = make_plan(config, placement, 1_000_000, {"cuda": 48 * GiB, "cpu": 512 * GiB})
+    """glm5.yaml: FP8 rows of every layer in host memory; per layer an 8 MiB hot buffer and a 4-byte slot per token
+    on the GPU, plus a prefill staging buffer of 2^18 rows and one of their bf16 conversion (budgets, not per
+    token); 132-byte indexer keys."""
+    config, placement = placed("glm-5.2", "glm5")
+    p = make_plan(config, placement, 1_000_000, {"cuda": 24 * GiB, "cpu": 512 * GiB})
     cpu, cuda = device(p, "cpu"), device(p, "cuda")
     assert cpu.latent_kv == 78 * 656 * 1_000_000
-    assert cuda.latent_kv == 78 * (64 * 2**20 + 8 * 1_000_000) + (656 + 1152) * 1_000_000
+    assert cuda.latent_kv == 78 * (8 * 2**20 + 4 * 1_000_000) + (656 + 1152) * 2**18
     assert cuda.indexer_keys == 21 * 132 * 1_000_000
     assert [n for n in p.notes if n.startswith("latent KV")] == ["latent KV fp8 (656 B/token/layer)"] and p.fits
-    assert cuda.per_token == 78 * 8 + 656 + 1152 + 21 * 132 and cpu.per_token == 78 * 656
+    assert cuda.per_token == 78 * 4 + 21 * 132 and cpu.per_token == 78 * 656
     expert = 3 * 6144 * 2048  # gpu_tokens: the ring of DEPTH int4 experts, one expert dequantised to bf16
     assert cuda.workspace == 3 * 2**26 * 4 + DEPTH * (expert // 2 + expert // 128 * 4) + expert * 2
+    short = make_plan(config, placement, 4096, {"cuda": 24 * GiB, "cpu": 512 * GiB})
+    assert device(short, "cuda").latent_kv == 78 * (8 * 2**20 + 4 * 4096) + (656 + 1152) * 4096  # never above need
 
 
 def test_gpu_ring_sets_the_experts_held_on_the_gpu(tmp_path):
     """gpu_ring: a whole layer (256 experts) on the GPU takes 256 packed experts' room instead of DEPTH's."""
-    text = resolve_rules_path("glm5-1m").read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256")
+    text = resolve_rules_path("glm5").read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256")
     (tmp_path / "ring.yaml").write_text(text)
     config = load_config("glm-5.2")
     ring = make_plan(config, place(meta_model("glm-5.2"), load_rules(tmp_path / "ring.yaml")), 1_000_000,
                      {"cuda": 48 * GiB, "cpu": 512 * GiB})
-    base = make_plan(*placed("glm-5.2", "glm5-1m"), 1_000_000, {"cuda": 48 * GiB, "cpu": 512 * GiB})
+    base = make_plan(*placed("glm-5.2", "glm5"), 1_000_000, {"cuda": 48 * GiB, "cpu": 512 * GiB})
     packed = 3 * 6144 * 2048 // 2 + 3 * 6144 * 2048 // 128 * 4  # one int4/g128 expert
     assert device(ring, "cuda").workspace - device(base, "cuda").workspace == (256 - DEPTH) * packed
 
@@ -127,14 +129,14 @@ def glm5(*args):
 
 
 def test_plan_command():
-    proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5", "--max-seq-len", 1000000, "--gpu-mem", "160GiB",
+    proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000, "--gpu-mem", "160GiB",
                 "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json")
     assert proc.returncode == 0, proc.stderr
     table, figures = proc.stdout.rsplit("\n", 2)[0], json.loads(proc.stdout.strip().splitlines()[-1])
     assert "latent KV fp8 (656 B/token/layer)" in table and "fits; largest context" in table
     # every layer's FP8 rows, and one buffer of them converted to bf16 for a prefill chunk's sparse MLA
     assert figures["fits"] and figures["devices"]["cuda"]["latent_kv"] == (78 * 656 + 576 * 2) * 1_000_000
-    over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5", "--max-seq-len", 1000000, "--gpu-mem", "24GiB",
+    over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000, "--gpu-mem", "24GiB",
                 "--host-mem", "512GiB")
     assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
 
@@ -155,3 +157,15 @@ def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
 def test_engine_runs_when_it_fits(tiny_dir):
     model = load_model(tiny_dir(), max_seq_len=4096, budgets={"cpu": 8 * GiB}, dtype=torch.float32)
     assert model.placement.devices() == ["cpu"]
+
+
+@pytest.mark.parametrize("preset, tokens", [("glm-5.2", 1048576), ("glm-5-fp8", 202752), ("deepseek-v3.2", 163840)])
+def test_the_default_placement_fits_a_24gib_gpu(preset, tokens):
+    """No --rules: rules/glm5.yaml, said on stderr; GLM-5.2 at 1M tokens and GLM-5-FP8 at its 202752 fit 24 GiB."""
+    proc = glm5("plan", "--model", preset, "--max-seq-len", tokens, "--gpu-mem", "24GiB", "--host-mem", "512GiB",
+                "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no --rules given: the default placement glm5" in proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["fits"] and figures["devices"]["cuda"]["total"] <= 23 * GiB  # a GiB of headroom at least
+    assert figures["largest_context"] >= tokens

@@ -15,7 +15,7 @@ from glm5_offload.errors import Glm5Error
 from glm5_offload.model import Experts, build_model
 from glm5_offload.rules import check_devices_present, load_rules, place, shipped_rule_names
 
-SHIPPED = ["glm5.yaml", "glm5-1m.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]
+SHIPPED = ["glm5.yaml", "glm5-reference.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]
 
 
 @functools.cache
@@ -106,6 +106,8 @@ def test_linear_is_a_slot_a_rule_can_place(tmp_path):
     assert re.search(r"model\.layers\.\{0-77\}\.self_attn\.kv_b_proj +linear\.reference +cpu +bf16 +2\.13 GiB +rule 2",
                      p.table(torch.bfloat16))
     assert re.search(r"self_attn\.indexer\.weights_proj +linear\.reference +cuda +fp32 ",
+                     placement("glm-5", "glm5-reference").table(torch.bfloat16))
+    assert re.search(r"self_attn\.indexer\.weights_proj +linear\.triton +cuda +fp32 ",  # kept fp32 by the fast one too
                      placement("glm-5", "glm5").table(torch.bfloat16))
 
 
@@ -141,17 +143,58 @@ def test_command_line_device_overrides_the_file_default(tmp_path):
     assert placement("glm-5", path, "cpu").slots["model.norm"].device == "cpu"
 
 
+def test_device_cpu_runs_a_gpu_placement_through_the_references(tmp_path, monkeypatch):
+    """--device cpu moves what the rules put on a GPU to the CPU; an operator that cannot run there becomes its
+    class's reference operator with the kwargs they share."""
+    import dataclasses
+
+    from glm5_offload import ops
+
+    cuda_only = dataclasses.replace(ops.REGISTRY["attention.dsa_triton"], devices=("cuda",))
+    monkeypatch.setitem(ops.REGISTRY, "attention.dsa_triton", cuda_only)
+    p = placement("glm-5.2", "glm5", "cpu")
+    assert p.devices() == ["cpu"]
+    attention = p.slots["model.layers.0.self_attn"]
+    assert attention.op.name == "attention.reference" and attention.kwargs["kv_offload"] is True
+    assert attention.kwargs["hot_budget"] == 8 << 20 and attention.kwargs["window"] == 512
+    assert p.slots["model.layers.0.self_attn.q_b_proj"].op.name == "linear.triton"  # runs on the CPU itself
+    with pytest.raises(Glm5Error, match=r"rules.yaml: rule 3: operator attention.dsa_triton runs on cuda, not cpu"):
+        placement("glm-5.2", write(tmp_path, Path(load_rules("glm5").path).read_text().replace("device: cuda\n",
+                                                                                                 "device: cpu\n")))
+    assert placement("glm-5.2", "glm5", "cuda:1").slots["model.layers.0.self_attn"].device == "cuda:1"
+    assert placement("glm-5.2", "glm5", "cuda:1").slots["model.layers.3.mlp.experts"].device == "cpu"
+
+
+def test_group_sizes_that_do_not_divide_are_chosen_or_refused(tmp_path):
+    config = write(tmp_path, (Path(load_config("glm-5").path)).read_text().replace('"moe_intermediate_size": 2048',
+                                                                                   '"moe_intermediate_size": 2112'),
+                   "config.json")
+    p = placement(config, "glm5")  # 2112 = 64 x 33: the experts take groups of 64
+    assert p.slots["model.layers.3.mlp.experts"].op.format(p.slots["model.layers.3.mlp.experts"], None) == "int4/g64"
+    asked = write(tmp_path, Path(load_rules("glm5").path).read_text().replace(
+        "kwargs: {format: int4, gpu_tokens: 1024}", "kwargs: {format: int4, group_size: 128}"), "asked.yaml")
+    with pytest.raises(Glm5Error, match=r"asked.yaml: rule 2: experts.numba on model.layers.3.mlp.experts: group_size "
+                                        r"128 does not divide the inputs \(6144, 2112\): use group_size 64 or 32, or "
+                                        "leave group_size out"):
+        placement(config, asked)
+    int4 = write(tmp_path, Path(load_rules("glm5").path).read_text().replace("{format: fp8}\n\n- match:\n    class: Router",
+                                                                               "{format: int4, group_size: 128}\n\n- match:\n    class: Router"),
+                 "int4.yaml")
+    assert placement("glm-5", int4).slots["model.layers.0.self_attn.o_proj"].op.format(
+        placement("glm-5", int4).slots["model.layers.0.self_attn.o_proj"], torch.bfloat16) == "int4/g128"
+
+
 def test_rules_show_on_shared_configs(tmp_path):
     for preset in ("glm-5", "glm-5.2", "glm-5-fp8", "deepseek-v3.2"):
-        table = placement(preset, "glm5").table(torch.bfloat16)
+        table = placement(preset, "glm5-reference").table(torch.bfloat16)
         assert "experts.reference" in table and "total on cpu" in table and "total on cuda" in table
         assert "warning" not in table
-    out = glm5("rules", "show", "--model", "glm-5.2", "--rules", "glm5").stdout
+    out = glm5("rules", "show", "--model", "glm-5.2", "--rules", "glm5-reference").stdout
     assert "model.layers.{3-77}.mlp.experts" in out and "model.layers.{0-2,6,10," in out
     assert "total on cpu: 1350.00 GiB" in out  # 75 x 256 x 3 x 6144 x 2048 bf16 weights
     assert "latent KV of layers {0-77}: bf16 rows on cuda" in out
-    tiered = placement("glm-5.2", "glm5-1m").table(torch.bfloat16)
-    assert ("latent KV of layers {0-77}: FP8 rows (656 B for GLM-5) in pinned host memory, a 64.00 MiB hot "
+    tiered = placement("glm-5.2", "glm5").table(torch.bfloat16)
+    assert ("latent KV of layers {0-77}: FP8 rows (656 B for GLM-5) in pinned host memory, a 8.00 MiB hot "
             "buffer on cuda (the last 512 tokens + recently selected rows)") in tiered
     flagged = write(tmp_path, "- match: {class: Experts}\n  replace: {device: cpu}\n"
                               "- match: {name: 'no_such_module'}\n  replace: {device: cpu}\n")

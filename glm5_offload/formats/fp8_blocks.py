@@ -18,7 +18,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torc
     """W [out, in] -> (W8 float8_e4m3fn, scale_inv fp32) with W ~ W8 * scale: each block's amax maps to FP8_MAX."""
     out_f, in_f = weight.shape
     rows, cols = scale_shape(weight.shape, block)
-    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32)
+    padded = torch.zeros(rows * block[0], cols * block[1], dtype=torch.float32, device=weight.device)
     padded[:out_f, :in_f] = weight.float()
     blocks = padded.view(rows, block[0], cols, block[1])
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rows, cols]
@@ -37,3 +37,19 @@ def nbytes(shape: tuple[int, int], block: tuple[int, int] = BLOCK) -> int:
     """Bytes of a weight in this form: one byte a value, four a block's scale."""
     rows, cols = scale_shape(shape, block)
     return shape[0] * shape[1] + 4 * rows * cols
+
+
+def quantize_activations(x: torch.Tensor, block: int = BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x8 [M, K] float8_e4m3fn, scales [M, cdiv(K, block)] fp32): each row's groups of `block` inputs
+    scaled so their amax maps to FP8_MAX (DeepSeek's act_quant; what an FP8-dot prefill GEMM multiplies)."""
+    M, K = x.shape
+    groups = -(-K // block)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * block - K)).view(M, groups, block)
+    scales = padded.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    x8 = (padded / scales[..., None]).view(M, -1)[:, :K].to(torch.float8_e4m3fn)
+    return x8, scales
+
+
+def dequantize_activations(x8: torch.Tensor, scales: torch.Tensor, block: int = BLOCK[1]) -> torch.Tensor:
+    """x8 [M, K] float8_e4m3fn and scales [M, cdiv(K, block)] -> fp32 [M, K]."""
+    return x8.float() * scales.float().repeat_interleave(block, 1)[:, : x8.shape[1]]

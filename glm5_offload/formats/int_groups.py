@@ -12,6 +12,8 @@ Activations may be int8-quantised per group too (quantize_activations: what the 
 import numpy as np
 import torch
 
+from ..errors import Glm5Error
+
 BITS = {"bf16": 16, "int8": 8, "int4": 4}  # the formats, and bits per weight
 GROUP_SIZES = (32, 64, 128)
 GROUP = 128  # the group size where none is given
@@ -26,6 +28,20 @@ def nbytes(n_weights: int, fmt: str, group: int = GROUP) -> int:
 def describe(fmt: str, group: int = GROUP) -> str:
     """The format as tables show it: bf16, int8/g128, int4/g32."""
     return fmt if fmt == "bf16" else f"{fmt}/g{group}"
+
+
+def fitting_group(dims: tuple[int, ...], group: int | None) -> int:
+    """The group size for matrices whose inputs number each of dims: `group` if it divides them all, else (None
+    asked) the largest of GROUP_SIZES that does; a Glm5Error says which fit where none or the asked one does not."""
+    fits = [g for g in sorted(GROUP_SIZES, reverse=True) if all(d % g == 0 for d in dims)]
+    if group is None and fits:
+        return fits[0]
+    if group is not None and group in fits:
+        return group
+    fix = f"use group_size {' or '.join(map(str, fits))}" if fits else "use a format without groups (bf16)"
+    asked = f"group_size {group} does not divide" if group is not None else "no group size divides"
+    raise Glm5Error(f"{asked} the inputs ({', '.join(map(str, dims))}): {fix}"
+                    + (", or leave group_size out to take the largest that fits" if group is not None and fits else ""))
 
 
 def quantize(w: torch.Tensor, fmt: str, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:

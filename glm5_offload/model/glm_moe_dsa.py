@@ -68,8 +68,10 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        """Where the residual stream lives: the embedding's device."""
-        return self.model.embed_tokens.weight.device
+        """Where the residual stream lives: where the embedding puts its rows (its table's device, or the out_device
+        of a table kept in host memory)."""
+        embed = self.model.embed_tokens
+        return getattr(embed, "out_device", embed.weight.device)
 
     @property
     def dtype(self) -> torch.dtype:

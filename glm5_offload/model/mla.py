@@ -31,6 +31,7 @@ class LatentLayout:
     offload: bool = False  # rows in host memory, a hot buffer on the attention's device
     hot_bytes: int = 256 << 20  # with offload: the hot buffer's budget
     window: int = 1024  # with offload: recent tokens always hot
+    prefill_rows: int = 1 << 18  # with offload: rows a prefill chunk's staging buffer holds
 
 
 class Indexer(nn.Module):
@@ -180,11 +181,10 @@ class Attention(nn.Module):
                 indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
         else:
             indices = shared_indices
-        latent, rows = cache.rows_for(self.layer, indices.to(x.device), positions, end)
-
         wkv_b = self.kv_b_proj.dense_weight().to(x.device).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
         q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
-        o = self.attend(q_lat, q_pe, latent, rows)
+        o = torch.cat([self.attend(q_lat[a:b], q_pe[a:b], latent, rows)
+                       for a, b, latent, rows in cache.row_pieces(self.layer, indices.to(x.device), positions, end)])
         out = torch.einsum("shl,hvl->shv", o, w_uv).to(x.dtype)  # [S, H, v_head_dim]
         return self.o_proj(out.reshape(S, -1)), indices

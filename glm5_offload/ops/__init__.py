@@ -2,9 +2,10 @@
 (attention and indexer in Triton), experts_numba.py (routed experts on the CPU; expert_ring.py streams them to a GPU
 for long prefill chunks). base.py says what an operator is."""
 
-from . import dsa_triton, reference
+from . import dsa_triton, embedding_host, linear_triton, reference
 from .base import Operator
 from .experts_numba import NUMBA_EXPERTS
 
-REGISTRY: dict[str, Operator] = {op.name: op for op in (*reference.OPERATORS, *dsa_triton.OPERATORS, NUMBA_EXPERTS)}
+REGISTRY: dict[str, Operator] = {op.name: op for op in (*reference.OPERATORS, *dsa_triton.OPERATORS,
+                                                  *linear_triton.OPERATORS, *embedding_host.OPERATORS, NUMBA_EXPERTS)}
 DEFAULT_OP = {op.replaces: op for op in reference.OPERATORS}  # slot class -> its reference operator

@@ -91,6 +91,9 @@ class Operator:
         """A rule's kwargs (their names already checked) with defaults filled in; Glm5Error names a bad value."""
         return dict(kwargs)
 
+    def check(self, slot: Slot):
+        """Refuse (Glm5Error) kwargs that do not suit the slot's module (a group size that does not divide it)."""
+
     def format(self, slot: Slot, dtype: torch.dtype) -> str:
         """The weight format the slot holds: the compute dtype for the reference operators (fp32 where the model
         keeps every tensor of the slot in it)."""

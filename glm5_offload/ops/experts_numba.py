@@ -20,7 +20,7 @@ from torch import nn
 
 from ..disk_store import DiskStore
 from ..errors import Glm5Error
-from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, nbytes, quantize
+from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
 from ..kernels import experts_triton, moe_cpu
 from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
@@ -200,15 +200,15 @@ def chain_layers(layers: list[NumbaExperts]):
 
 
 class NumbaExpertsOperator(ExpertsOperator):
-    """kwargs: format (bf16 | int8 | int4), group_size (32 | 64 | 128), threads, cache_dir, activations (fp32 |
-    int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring (experts the GPU holds)."""
+    """kwargs: format (bf16 | int8 | int4), group_size (32 | 64 | 128; by default the largest that fits), threads,
+    cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring (experts the GPU holds)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
-        k = {"format": "int8", "group_size": GROUP, "threads": None, "cache_dir": None, "activations": "fp32",
+        k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
              "gpu_tokens": None, "gpu_ring": DEPTH, **kwargs}
         if k["format"] not in BITS:
             raise Glm5Error(f"format must be one of {', '.join(BITS)}, got {k['format']!r}")
-        if k["group_size"] not in GROUP_SIZES:
+        if k["group_size"] is not None and k["group_size"] not in GROUP_SIZES:
             raise Glm5Error(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {k['group_size']!r}")
         if k["threads"] is not None and not is_positive_int(k["threads"]):
             raise Glm5Error(f"threads must be a positive integer, got {k['threads']!r}")
@@ -224,8 +224,16 @@ class NumbaExpertsOperator(ExpertsOperator):
             raise Glm5Error(f"gpu_ring must be a number of experts, at least 2, got {k['gpu_ring']!r}")
         return k
 
+    def check(self, slot: Slot):
+        self.packing(slot, torch.bfloat16)
+
     def packing(self, slot: Slot, dtype: torch.dtype) -> tuple[str, int]:
-        return slot.kwargs["format"], slot.kwargs["group_size"]
+        """The format, and its group size: the rule's if it divides the experts' inputs (hidden and intermediate
+        dims), by default the largest that does."""
+        fmt, expert = slot.kwargs["format"], slot.module[0]
+        if fmt == "bf16":
+            return fmt, GROUP
+        return fmt, fitting_group((expert.gate_proj.in_features, expert.down_proj.in_features), slot.kwargs["group_size"])
 
     def weight_bytes(self, slot: Slot, dtype: torch.dtype) -> int:
         return nbytes(sum(t.numel() for t in slot.own_tensors().values()), *self.packing(slot, dtype))
@@ -235,7 +243,7 @@ class NumbaExpertsOperator(ExpertsOperator):
         shared by the layers) and one expert dequantised at a time."""
         buffers = super().memory(slot, ctx)
         if slot.kwargs["gpu_tokens"] and ctx.stream_device != slot.device:
-            fmt, group, depth = slot.kwargs["format"], slot.kwargs["group_size"], slot.kwargs["gpu_ring"]
+            (fmt, group), depth = self.packing(slot, ctx.dtype), slot.kwargs["gpu_ring"]
             one_expert = 3 * ctx.config.hidden_size * ctx.config.moe_intermediate_size
             buffers += [Buffer(ctx.stream_device, "workspace", depth * nbytes(one_expert, fmt, group),
                                shared=("expert ring", fmt, group, depth)),
@@ -246,16 +254,12 @@ class NumbaExpertsOperator(ExpertsOperator):
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> NumbaExperts:
         """Memory-map the stored conversion of this layer's experts, converting it first if needed."""
         k, config = slot.kwargs, ctx.config
-        for dim in (config.hidden_size, config.moe_intermediate_size):
-            if k["format"] != "bf16" and dim % k["group_size"]:
-                raise Glm5Error(f"experts.numba: group_size {k['group_size']} does not divide the expert dim {dim}")
-        store = expert_store(Path(k["cache_dir"] or cache_dir() / "experts"), ctx.model_dir, k["format"],
-                             k["group_size"])
+        fmt, group = self.packing(slot, ctx.dtype)
+        store = expert_store(Path(k["cache_dir"] or cache_dir() / "experts"), ctx.model_dir, fmt, group)
         arrays = store.load(slot.name)
         if arrays is None:
-            arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint,
-                                                          k["format"], k["group_size"]))
-        return NumbaExperts(arrays, k["format"], k["group_size"], k["threads"], k["activations"] == "int8",
+            arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group))
+        return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
                             k["gpu_tokens"], k["gpu_ring"])
 
     def link(self, modules: list[NumbaExperts]):

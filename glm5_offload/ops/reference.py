@@ -17,14 +17,15 @@ from ..util import human_bytes, is_positive_int, parse_size
 from .base import Buffer, BuildContext, Operator, PlanContext, Slot
 
 TEMPORARY_BYTES = 4  # temporaries are fp32 at worst
-SLOT_BYTES = 8  # a tiered layer's hot-slot table entry per token, on the device (runtime/tiered_kv.py's slot_of)
-LAYOUT_KWARGS = ("kv_dtype", "kv_offload", "hot_budget", "window")
+SLOT_BYTES = 4  # a tiered layer's hot-slot table entry per token, on the device (runtime/tiered_kv.py's slot_of)
+LAYOUT_KWARGS = ("kv_dtype", "kv_offload", "hot_budget", "window", "prefill_rows")
 
 
 class AttentionOperator(Operator):
     """Attention over the layer's cache; its kwargs say how the layer keeps that cache:
     kv_dtype (auto: the model's dtype, or fp8: 656 B latent rows and 132 B indexer keys), kv_offload (every row in
-    pinned host memory, a hot buffer of hot_budget bytes on the attention's device, the last `window` tokens hot)."""
+    pinned host memory, a hot buffer of hot_budget bytes on the attention's device, the last `window` tokens hot, a
+    prefill chunk's rows read through a staging buffer of prefill_rows rows)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         kv_dtype = kwargs.get("kv_dtype", "auto")
@@ -37,8 +38,11 @@ class AttentionOperator(Operator):
         window = kwargs.get("window", 1024)
         if not is_positive_int(window):
             raise Glm5Error(f"window must be a positive number of tokens, got {window!r}")
+        prefill_rows = kwargs.get("prefill_rows", 1 << 18)
+        if not is_positive_int(prefill_rows):
+            raise Glm5Error(f"prefill_rows must be a positive number of rows, got {prefill_rows!r}")
         return {"kv_dtype": kv_dtype, "kv_offload": offload, "hot_budget": parse_size(str(hot), "hot_budget"),
-                "window": window}
+                "window": window, "prefill_rows": prefill_rows}
 
     def layout(self, slot: Slot, kv_dtype: str | None = None) -> LatentLayout:
         """The layer's LatentLayout; kv_dtype "fp8" (the --kv-dtype flag) puts it in the FP8 forms whatever the rule."""
@@ -47,26 +51,30 @@ class AttentionOperator(Operator):
         return LatentLayout(device=torch.device(slot.device),
                             index_device=None if indexer is None else torch.device(indexer.device),
                             fp8="fp8" in (kv_dtype, k["kv_dtype"]), offload=k["kv_offload"], hot_bytes=k["hot_budget"],
-                            window=k["window"])
+                            window=k["window"], prefill_rows=k["prefill_rows"])
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """Latent rows per token on the attention's device, or with offload in host memory beside a hot buffer, an
-        8-byte slot per token and one prefill staging buffer of every row (shared by the layers) on the device;
-        FP8 rows add one buffer of every row in bf16 (a prefill chunk's sparse MLA converts them once: shared);
-        the indexer keys per token on the indexer's device; the reference's [heads, queries, keys] temporaries."""
+        4-byte slot per token and a prefill staging buffer of prefill_rows rows (shared by the layers) on the device;
+        FP8 rows add one buffer of as many rows in bf16 (a prefill chunk's sparse MLA converts its rows once: shared;
+        without offload, one of every row); the indexer keys per token on the indexer's device; the reference's
+        [heads, queries, keys] temporaries."""
         layout = self.layout(slot, "fp8" if ctx.kv_dtype == "fp8" else None)
         form = "fp8" if layout.fp8 else ctx.kv_dtype or dtype_name(ctx.dtype)
         row = latent_row_bytes(ctx.config, form)
+        staged = min(layout.prefill_rows, ctx.max_seq_len)
         buffers = super().memory(slot, ctx) + [
             Buffer("cpu" if layout.offload else slot.device, "latent_kv", per_token=row,
                    note=f"latent KV {form} ({row} B/token/layer)"),
             Buffer(slot.device, "workspace", 3 * SCORE_BUDGET * TEMPORARY_BYTES)]
         if layout.offload:
             buffers += [Buffer(slot.device, "latent_kv", layout.hot_bytes, per_token=SLOT_BYTES),
-                        Buffer(slot.device, "latent_kv", per_token=row, shared=("prefill staging", form))]
+                        Buffer(slot.device, "latent_kv", staged * row, shared=("prefill staging", form))]
         if form == "fp8":
-            buffers.append(Buffer(slot.device, "latent_kv", per_token=ctx.config.latent_dim * 2,
-                                  shared=("FP8 rows in bf16",)))
+            bf16_rows = ctx.config.latent_dim * 2
+            buffers.append(Buffer(slot.device, "latent_kv", staged * bf16_rows, shared=("FP8 rows in bf16",))
+                           if layout.offload else
+                           Buffer(slot.device, "latent_kv", per_token=bf16_rows, shared=("FP8 rows in bf16",)))
         if layout.index_device is not None:
             key = key_bytes(ctx.config, form)
             buffers.append(Buffer(str(slot.children["indexer"].device), "indexer_keys", per_token=key,

@@ -44,7 +44,8 @@ def unsupported(model: CausalLM) -> str | None:
         if isinstance(layer.mlp, MoE) and layer.mlp.experts.gpu_tokens == 1:
             return f"layer {i}'s routed experts stream to the GPU from 1 token (gpu_tokens: 1), decode steps too"
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.device != model.device:  # a copy between devices inside a piece would need the host
+        if t.device != model.device and not t.is_pinned():  # a copy between devices inside a piece would need the
+            # host; pinned host tensors (embedding.host's table) are read by the GPU in place
             return f"{name} is on {t.device}, not on the residual stream's {model.device}"
     return None
 

@@ -11,6 +11,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
+from ..kernels.gather_rows import gather_rows
 from ..model import CausalLM, LatentLayout
 from .tiered_kv import TieredLatent
 
@@ -26,7 +27,7 @@ class KVCache:
         """layouts: one per layer; dtype: the model's (latent rows and indexer keys not in FP8 are kept in it)."""
         self.max_seq_len, self.kv_lora_rank, self.layouts = max_seq_len, config.kv_lora_rank, layouts
         self.latent: list[torch.Tensor | TieredLatent] = []
-        staging_rows = {}  # (device, row dtype) -> width of the prefill staging buffer the offloaded layers share
+        staging_rows = {}  # (device, row dtype) -> (width, rows) of the prefill staging buffer offloaded layers share
         for layout in layouts:
             device = layout.device
             width = fp8_row_width(config.kv_lora_rank, config.qk_rope_head_dim) if layout.fp8 else config.latent_dim
@@ -38,11 +39,15 @@ class KVCache:
                                     f"{width * row_dtype.itemsize} B: it needs at least window {layout.window} "
                                     f"+ 2 x index_topk {config.index_topk}")
                 self.latent.append(TieredLatent(max_seq_len, width, row_dtype, device, hot_rows, layout.window))
-                staging_rows[device, row_dtype] = max(width, staging_rows.get((device, row_dtype), 0))
+                if layout.prefill_rows < config.index_topk:
+                    raise Glm5Error(f"prefill_rows {layout.prefill_rows} must hold one query's index_topk "
+                                    f"{config.index_topk} rows")
+                staging_rows[device, row_dtype] = max((width, layout.prefill_rows),
+                                                      staging_rows.get((device, row_dtype), (0, 0)))
             else:
                 self.latent.append(torch.empty(max_seq_len, width, device=device, dtype=row_dtype))
-        self.staging = {key: torch.empty(max_seq_len, width, dtype=key[1], device=key[0])
-                        for key, width in staging_rows.items()}
+        self.staging = {key: torch.empty(min(max_seq_len, rows), width, dtype=key[1], device=key[0])
+                        for key, (width, rows) in staging_rows.items()}
         self.index_keys: dict[int, torch.Tensor | FP8Keys] = {}
         for i, layout in enumerate(layouts):
             d = layout.index_device
@@ -82,21 +87,36 @@ class KVCache:
         else:
             rows_store.index_copy_(0, positions, rows.to(rows_store.dtype))
 
-    def rows_for(self, layer: int, indices: torch.Tensor, positions: torch.Tensor, end: int):
-        """The latent rows attention reads for the queries at positions [S] (all below end) and their indices
-        [S, K] into them."""
+    def row_pieces(self, layer: int, indices: torch.Tensor, positions: torch.Tensor, end: int):
+        """The latent rows attention reads for the queries at positions [S] (all below end), in pieces of queries:
+        (first query, last query + 1, rows, the pieces' indices [b - a, K] into rows).
+
+        One piece, the layer's own rows, unless the layer is offloaded: decode reads the hot buffer (misses fetched
+        into it); a prefill chunk reads its rows through the staging buffer, which holds prefill_rows rows: every
+        row so far in one copy while they fit, else, for pieces of the chunk's queries, the rows each piece selected
+        (gathered from host memory, the indices mapped to them in order: attention sums the same rows in the same
+        order)."""
         rows_store = self.latent[layer]
+        S = indices.shape[0]
         if not isinstance(rows_store, TieredLatent):
-            return rows_store[:end], indices
+            yield 0, S, rows_store[:end], indices
+            return
         if rows_store.fits_fetch(indices):  # decode: rows from the hot buffer, misses fetched into it
             if layer in self.prefetched:
                 del self.prefetched[layer]
             else:
                 rows_store.fetch(indices, positions[0], positions[-1] + 1 - rows_store.window)
-            return rows_store.hot, rows_store.slot_of[indices]
-        staging = self.staging[rows_store.device, rows_store.host.dtype]  # prefill: every row so far, one copy
-        staging[:end].copy_(rows_store.host[:end], non_blocking=True)
-        return staging[:end], indices
+            yield 0, S, rows_store.hot, rows_store.slot_of[indices]
+            return
+        staging = self.staging[rows_store.device, rows_store.host.dtype]
+        if end <= staging.shape[0]:
+            staging[:end].copy_(rows_store.host[:end], non_blocking=True)
+            yield 0, S, staging[:end], indices
+            return
+        for a, b, selected in _query_pieces(indices, staging.shape[0]):
+            gather_rows(rows_store.host, selected, staging, torch.arange(selected.numel(), device=staging.device))
+            local = torch.searchsorted(selected, indices[a:b].clamp(min=0))
+            yield a, b, staging[: selected.numel()], torch.where(indices[a:b] >= 0, local, -1)
 
     def prefetch(self, layers: list[int], indices: torch.Tensor, positions: torch.Tensor):
         """IndexShare: shared layers reuse a full layer's indices, so their misses can be fetched now, on a side
@@ -132,3 +152,19 @@ class KVCache:
         hits = sum(int(t.hits) for t in tiers)
         misses = sum(int(t.misses) for t in tiers)
         return {"hits": hits, "misses": misses, "fetched_bytes": sum(int(t.misses) * t.row_bytes() for t in tiers)}
+
+
+def _query_pieces(indices: torch.Tensor, budget: int):
+    """Consecutive pieces [a, b) of the queries of indices [S, K] (-1 = none) whose selected rows number at most
+    budget (>= K), each with its selected rows, sorted: (a, b, rows)."""
+    a, S = 0, indices.shape[0]
+    while a < S:
+        b = S
+        while True:
+            chosen = indices[a:b]
+            rows = torch.unique(chosen[chosen >= 0])  # sorted
+            if rows.numel() <= budget or b - a == 1:
+                break
+            b = a + (b - a) // 2
+        yield a, b, rows
+        a = b

@@ -29,7 +29,8 @@ class TieredLatent:
         self.device, self.window, self.lru = device, window, hot_rows - window
         self.host = torch.empty(max_seq_len, width, dtype=dtype, pin_memory=device.type == "cuda")
         self.hot = torch.empty(hot_rows + 1, width, dtype=dtype, device=device)  # + the dummy slot
-        self.slot_of = torch.full((max_seq_len + 1,), -1, dtype=torch.long, device=device)  # [-1]: dummy token
+        # int32: 4 bytes per token and layer on the device (at 1M tokens x 78 layers, 312 MiB)
+        self.slot_of = torch.full((max_seq_len + 1,), -1, dtype=torch.int32, device=device)  # [-1]: dummy token
         self.token_of = torch.full((self.lru + 1,), -1, dtype=torch.long, device=device)  # LRU slot -> token
         self.stamp = torch.zeros(self.lru + 1, dtype=torch.long, device=device)  # LRU slot -> last step used
         self.step = torch.zeros((), dtype=torch.long, device=device)  # fetches so far: the LRU clock
@@ -48,7 +49,7 @@ class TieredLatent:
         begin = max(0, end - self.window)
         positions = torch.arange(begin, end, device=self.device)
         self.hot[positions % self.window] = self.host[begin:end].to(self.device, non_blocking=True)
-        self.slot_of[positions] = positions % self.window
+        self.slot_of[positions] = (positions % self.window).int()
         self.end = end
 
     def write(self, positions: torch.Tensor, rows: torch.Tensor):
@@ -62,7 +63,7 @@ class TieredLatent:
         self.slot_of.index_fill_(0, torch.where((slot >= 0) & (slot < W), leaving, -1), -1)
         kept = positions > positions[-1] - W  # the chunk's last W rows stay hot
         self.hot[torch.where(kept, positions % W, self.hot.shape[0] - 1)] = rows  # the rest into the dummy slot
-        self.slot_of[torch.where(kept, positions, -1)] = torch.where(kept, positions % W, -1)
+        self.slot_of[torch.where(kept, positions, -1)] = torch.where(kept, positions % W, -1).int()
         self.slot_of[-1:].fill_(-1)  # (scalars are written by kernels: a CUDA graph may capture this)
 
     def fetch(self, indices: torch.Tensor, below, window_from):
@@ -82,7 +83,7 @@ class TieredLatent:
         lru_slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)], self.lru)
         evicted = self.token_of[lru_slot]
         self.slot_of.index_fill_(0, evicted, -1)  # evicted = -1 for the dummy slot: the dummy token stays -1
-        self.slot_of[torch.where(miss, t, -1)] = lru_slot + self.window
+        self.slot_of[torch.where(miss, t, -1)] = (lru_slot + self.window).int()
         self.slot_of[-1:].fill_(-1)
         self.token_of[lru_slot] = t
         self.token_of[-1:].fill_(-1)

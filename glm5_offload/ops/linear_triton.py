@@ -1,0 +1,153 @@
+"""`linear.triton` and `lm_head.triton`: a projection whose weight stays in 8 or 4 bits on its device.
+
+kwargs: format
+  fp8   e4m3 with one fp32 scale per 128 x 128 block (formats/fp8_blocks.py). An FP8 checkpoint's weights are kept
+        exactly as released (never widened); a bf16 one is quantised per block at load.
+  int4  symmetric groups of `group_size` inputs (formats/int_groups.py, w4a16); group_size 32, 64 or 128, by default
+        the largest that divides the inputs (one that does not is refused, naming those that would).
+  bf16  the compute dtype (what linear.reference holds).
+Converted weights are kept in a disk store beside the converted experts (`cache_dir`), so the next start reads them.
+The projection runs in kernels/linear_triton.py on the GPU (and in Triton's interpreter in the CPU tests); on a CPU
+without the interpreter it runs the kernels' reference (the same weights, dequantised), so a placement can be tried
+on any machine. Tensors the model keeps in fp32 (the indexer's weights_proj) stay fp32, as linear.reference has them.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..disk_store import DiskStore
+from ..errors import Glm5Error
+from ..formats import dtype_name, fp8_blocks, int_groups
+from ..kernels import INTERPRET, experts_triton, linear_triton
+from ..model import Linear, LMHead, keeps_fp32
+from ..util import cache_dir
+from .base import Buffer, BuildContext, Operator, PlanContext, Slot
+
+FORMATS = ("fp8", "int4", "bf16")
+STORE_VERSION = 1
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T with W in fp8 (weight e4m3 [N, K], scales [cdiv(N,128), cdiv(K,128)]) or int4 (weight uint8
+    [N, K/2], scales [N, K/group])."""
+
+    def __init__(self, fmt: str, group: int, weight: torch.Tensor, scales: torch.Tensor, in_features: int,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.fmt, self.group, self.in_features, self.out_features = fmt, group, in_features, weight.shape[0]
+        self.compute_dtype = dtype
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+
+    def extra_repr(self) -> str:
+        fmt = "fp8 (128x128 blocks)" if self.fmt == "fp8" else f"int4/g{self.group}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={fmt}"
+
+    def _kernels(self) -> bool:
+        return self.weight.is_cuda or INTERPRET
+
+    def forward(self, x):
+        flat = x.reshape(-1, self.in_features)
+        if not self._kernels():  # the kernels' reference, on a CPU without Triton's interpreter
+            y = F.linear(flat.float(), self.dense_weight(torch.float32)).to(x.dtype)
+        elif self.fmt == "fp8":
+            y = linear_triton.fp8_linear(flat, self.weight, self.scales)
+        else:
+            y = linear_triton.int4_linear(flat, self.weight, self.scales, self.group)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W [out, in] dequantised, in the compute dtype (absorbed MLA reads kv_b_proj's whole)."""
+        dtype = dtype or self.compute_dtype
+        if self.fmt == "fp8":
+            if self._kernels():
+                return linear_triton.fp8_dequantize(self.weight, self.scales, dtype)
+            return fp8_blocks.dequantize(self.weight, self.scales).to(dtype)
+        if self._kernels():
+            return experts_triton.dequantize(self.weight, self.scales, "int4", self.group, dtype=dtype)
+        return int_groups.dequantize(self.weight.numpy(), self.scales.numpy(), "int4", self.group).to(dtype)
+
+
+class LinearOperator(Operator):
+    """A projection (or lm_head) in fp8, int4 or bf16 on its device."""
+
+    def parse_kwargs(self, kwargs: dict) -> dict:
+        k = {"format": "fp8", "group_size": None, "cache_dir": None, **kwargs}
+        if k["format"] not in FORMATS:
+            raise Glm5Error(f"format must be one of {', '.join(FORMATS)}, got {k['format']!r}")
+        if k["group_size"] is not None and k["group_size"] not in int_groups.GROUP_SIZES:
+            raise Glm5Error(f"group_size must be one of {', '.join(map(str, int_groups.GROUP_SIZES))}, "
+                            f"got {k['group_size']!r}")
+        if k["group_size"] is not None and k["format"] != "int4":
+            raise Glm5Error(f"group_size is for format int4, not {k['format']}")
+        if k["cache_dir"] is not None and not isinstance(k["cache_dir"], str):
+            raise Glm5Error(f"cache_dir must be a path, got {k['cache_dir']!r}")
+        return k
+
+    def check(self, slot: Slot):
+        self._packing(slot)
+
+    def _packing(self, slot: Slot) -> tuple[str, int]:
+        """(format, int4 group) the slot holds: the reference's where the model keeps the weight in fp32."""
+        if keeps_fp32(slot.tensor_name("weight")):
+            return "fp32", 0
+        fmt = slot.kwargs["format"]
+        return fmt, int_groups.fitting_group((slot.module.in_features,), slot.kwargs["group_size"]) if fmt == "int4" else 0
+
+    def format(self, slot: Slot, dtype: torch.dtype) -> str:
+        fmt, group = self._packing(slot)
+        return {"fp8": "fp8/b128", "int4": f"int4/g{group}", "bf16": dtype_name(dtype)}.get(fmt, fmt)
+
+    def weight_bytes(self, slot: Slot, dtype: torch.dtype) -> int:
+        fmt, group = self._packing(slot)
+        shape = (slot.module.out_features, slot.module.in_features)
+        if fmt == "fp8":
+            return fp8_blocks.nbytes(shape)
+        if fmt == "int4":
+            return int_groups.nbytes(shape[0] * shape[1], "int4", group)
+        return super().weight_bytes(slot, dtype)
+
+    def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
+        """The weights, and as workspace a decode step's partial sums (split over the inputs: at most 4 programs of
+        [32, 64] fp32 per SM, on a GPU of up to 132 SMs)."""
+        partials = 4 * 132 * linear_triton.DECODE_ROWS * 64 * 4 if self._packing(slot)[0] in ("fp8", "int4") else 0
+        return [Buffer(slot.device, "weights", self.weight_bytes(slot, ctx.dtype)),
+                Buffer(slot.device, "workspace", partials)]
+
+    def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
+        fmt, group = self._packing(slot)
+        if fmt not in ("fp8", "int4"):
+            return super().build(slot, checkpoint, ctx)
+        name = slot.tensor_name("weight")
+        stored = checkpoint.read_fp8(name) if fmt == "fp8" else None
+        if stored is None:  # converted once, kept on disk
+            store = DiskStore(Path(slot.kwargs["cache_dir"] or cache_dir() / "linear"), ctx.model_dir,
+                              {"format": fmt, "group_size": group}, STORE_VERSION)
+            arrays = store.load(name) or store.store(name, convert(checkpoint.read(name), fmt, group))
+            weight = torch.from_numpy(np.array(arrays["weight"]))  # a copy: the store's maps are read-only
+            stored = (weight.view(torch.float8_e4m3fn) if fmt == "fp8" else weight, torch.from_numpy(np.array(arrays["scales"])))
+        device = torch.device(slot.device)
+        return QuantLinear(fmt, group, stored[0].to(device), stored[1].float().to(device), slot.module.in_features,
+                           ctx.dtype)
+
+
+def convert(weight: torch.Tensor, fmt: str, group: int) -> dict[str, np.ndarray]:
+    """A weight [out, in] (any float dtype) in fp8 blocks or int4 groups, as arrays for the disk store."""
+    if fmt == "fp8":
+        w8, scales = fp8_blocks.quantize(weight)
+        return {"weight": w8.view(torch.uint8).numpy(), "scales": scales.numpy()}
+    values, scales = int_groups.quantize(weight, "int4", group)
+    return {"weight": values, "scales": scales}
+
+
+KWARGS = ("format", "group_size", "cache_dir")
+OPERATORS = (
+    LinearOperator("linear.triton", Linear, "x W^T with W in fp8 blocks or int4 groups (Triton GEMV/GEMM) or bf16",
+                   kwargs=KWARGS),
+    LinearOperator("lm_head.triton", LMHead, "output projection with W in fp8, int4 or bf16 (Triton)",
+                   kwargs=KWARGS),
+)

@@ -1,0 +1,204 @@
+"""GPU linear layers y = x W^T with W kept in 8 or 4 bits, in Triton.
+
+- fp8: W8 [N, K] float8_e4m3fn with one fp32 scale per 128 x 128 block (formats.fp8_blocks: the form GLM-5-FP8 and
+  DeepSeek-V3.2 are released in);
+- int4: W [N, K/2] uint8 with one fp32 scale per `group` inputs of a row (formats.int_groups: the nibble layout of
+  the CPU experts; w4a16).
+
+One kernel per format serves decode and prefill: a program computes a BLOCK_M x BLOCK_N tile of y over its share of
+the inputs. For decode (M <= 32) the inputs are split over programs so every SM streams weights (bandwidth-bound: the
+packed weights are read once), and the partial sums are added in a fixed order (a CUDA graph's replay equals eager).
+Prefill takes big tiles. Weights are loaded as bytes and widened by bit arithmetic to bf16 (e4m3 and int4 values
+are exact in bf16), so the kernels run on any GPU Triton supports (sm80, sm86 included). Where the GPU has FP8
+tensor cores (sm89, sm90, sm120) a prefill's activations are quantised to e4m3 per 128 inputs of a row
+(fp8_blocks.quantize_activations, as DeepSeek's inference does) and the fp8 kernel takes FP8 dots.
+
+References: `linear_reference` (the weights and activations dequantised, x W^T in fp32); the tests hold each path to
+it on the CPU (Triton's interpreter) and on the GPU.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import fp8_blocks, int_groups
+from . import INTERPRET
+
+DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
+BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
+
+
+@triton.jit
+def _e4m3_bits_to_f16(b):
+    """e4m3 bytes -> their values / 256 as fp16, exactly: the sign to bit 15, exponent and mantissa to bits 13..7
+    (fp16's exponent bias is 8 above e4m3's; subnormals map to subnormals)."""
+    u = b.to(tl.uint16)
+    return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, NATIVE: tl.constexpr,
+                CAST: tl.constexpr):
+    # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [M, KB] fp32), w [N, K] e4m3 bytes, ws [NB, KB] fp32
+    # (KB = cdiv(K, 128)); out [splits, M, N]: this program's tile of split `split` (BLOCK_N divides 128).
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    kk = tl.arange(0, 128)
+    KB = tl.cdiv(K, 128)
+    nb = pid_n * BLOCK_N // 128
+    kb0 = split * blocks_per_split
+    kb1 = tl.minimum(kb0 + blocks_per_split, KB)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kb in range(kb0, kb1):
+        k = kb * 128 + kk
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        w_scale = tl.load(ws_ptr + nb * KB + kb)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+        if ACT_FP8:
+            x_scale = tl.load(xs_ptr + m * KB + kb, mask=m_ok, other=0.0)
+            if NATIVE:
+                d = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+                acc += d * (x_scale[:, None] * w_scale)
+            else:  # both widened: each carries a factor 1/256
+                a, b = _e4m3_bits_to_f16(x).to(tl.float32), _e4m3_bits_to_f16(w).to(tl.float32)
+                d = tl.dot(a, tl.trans(b), input_precision="ieee")
+                acc += d * (x_scale[:, None] * (w_scale * 65536.0))
+        else:
+            b = _e4m3_bits_to_f16(w)
+            if CAST:
+                d = tl.dot(x.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+            else:
+                d = tl.dot(x, tl.trans(b.to(tl.bfloat16)))
+            acc += d * (w_scale * 256.0)
+    out = out_ptr + split * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, groups_per_split, G: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr):
+    # x [M, K], w [N, K/2] bytes (in group g of a row, byte j holds input gG + j in its low nibble and gG + G/2 + j in
+    # its high one), ws [N, K/G] fp32; out [splits, M, N]
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    j = tl.arange(0, G // 2)
+    n_groups = K // G
+    g0 = split * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, n_groups)
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * K
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 2)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for g in range(g0, g1):
+        p = tl.load(w_rows + g * (G // 2) + j[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
+        low, high = (p & 15) - 8, (p >> 4) - 8
+        x_low = tl.load(x_rows + g * G + j[None, :], mask=m_ok[:, None], other=0)
+        x_high = tl.load(x_rows + g * G + G // 2 + j[None, :], mask=m_ok[:, None], other=0)
+        if CAST:
+            d = tl.dot(x_low.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
+            d += tl.dot(x_high.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
+        else:
+            d = tl.dot(x_low, tl.trans(low.to(tl.bfloat16)))
+            d += tl.dot(x_high, tl.trans(high.to(tl.bfloat16)))
+        acc += d * tl.load(ws_ptr + n * n_groups + g, mask=n_ok, other=0.0)[None, :]
+    out = out_ptr + split * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_dequantize_kernel(w_ptr, ws_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
+    # w [N, K] e4m3 bytes, ws [NB, KB] fp32 -> out [N, K]; one program: BLOCK_N rows x 128 inputs
+    pid_n, kb = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = kb * 128 + tl.arange(0, 128)
+    ok = (n < N)[:, None] & (k < K)[None, :]
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=ok, other=0)
+    scale = tl.load(ws_ptr + (pid_n * BLOCK_N // 128) * tl.cdiv(K, 128) + kb) * 256.0
+    out = _e4m3_bits_to_f16(w).to(tl.float32) * scale
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that keep every SM streaming (4 per SM); 1 in the interpreter (each program costs time there)."""
+    return 1 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def has_fp8_dot(device: torch.device) -> bool:
+    """FP8 tensor cores: sm89 (Ada), sm90 (Hopper), sm120 (Blackwell desktop) and up."""
+    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _launch(kernel, x, steps: int, N: int, args: tuple, **meta) -> torch.Tensor:
+    """Run `kernel` over the tiles of y [M, N] (`steps` k steps in all), split over the inputs for decode; y in x's
+    dtype."""
+    M = x.shape[0]
+    decode = M <= DECODE_ROWS
+    block_m = max(16, triton.next_power_of_2(M)) if decode else 64
+    block_n = 64 if decode else 128
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    per_split = triton.cdiv(steps, max(1, min(steps, _programs_wanted(x.device) // tiles))) if decode else steps
+    splits = triton.cdiv(steps, per_split)
+    out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32 if splits > 1 else x.dtype)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
+    cast = INTERPRET or x.dtype == torch.float32
+    kernel[grid](*args, out, M, N, x.shape[1], per_split, BLOCK_M=block_m, BLOCK_N=block_n, CAST=cast,
+                 num_warps=4 if decode else 8, num_stages=4 if decode else 3, **meta)
+    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, fp8_dot: bool | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) @ W^T for W8 [N, K] float8_e4m3fn with scales [cdiv(N,128), cdiv(K,128)] fp32 -> [M, N]
+    in x's dtype. fp8_dot (default: a bf16 prefill on a GPU with FP8 tensor cores) quantises x per 128 inputs."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if fp8_dot is None:
+        fp8_dot = M > DECODE_ROWS and x.dtype == torch.bfloat16 and has_fp8_dot(x.device)
+    if fp8_dot:
+        x_in, x_scales = fp8_blocks.quantize_activations(x)
+        x_in = x_in.view(torch.uint8)
+    else:
+        x_in, x_scales = x.contiguous(), scales  # any fp32 tensor stands in for the unused scales
+    return _launch(_fp8_kernel, x, triton.cdiv(K, BLOCK), N, (x_in, x_scales, weight.view(torch.uint8), scales),
+                   ACT_FP8=fp8_dot, NATIVE=fp8_dot and has_fp8_dot(x.device))
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32) @ W^T for W in int_groups' int4 form (packed [N, K/2] uint8, scales [N, K/group]
+    fp32) -> [M, N] in x's dtype."""
+    M, K = x.shape
+    if K % group:
+        raise ValueError(f"group size {group} does not divide the {K} inputs")
+    return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), G=group)
+
+
+def fp8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W8 [N, K] float8_e4m3fn and its 128 x 128 block scales -> W [N, K] of dtype (fp8_blocks.dequantize)."""
+    N, K = weight.shape
+    out = torch.empty(N, K, dtype=dtype, device=weight.device)
+    _fp8_dequantize_kernel[(triton.cdiv(N, 64), triton.cdiv(K, BLOCK))](weight.view(torch.uint8), scales, out, N, K,
+                                                                         BLOCK_N=64)
+    return out
+
+
+def linear_reference(x: torch.Tensor, fmt: str, weight: torch.Tensor, scales: torch.Tensor, group: int = 0,
+                     fp8_dot: bool = False) -> torch.Tensor:
+    """What the kernels compute, in fp32: the weights dequantised (and with fp8_dot the activations), x W^T."""
+    if fmt == "fp8":
+        w = fp8_blocks.dequantize(weight.cpu(), scales.cpu())
+        if fp8_dot:
+            x8, x_scales = fp8_blocks.quantize_activations(x.cpu())
+            x = fp8_blocks.dequantize_activations(x8, x_scales)
+    else:
+        w = int_groups.dequantize(weight.cpu().numpy(), scales.cpu().numpy(), "int4", group)
+    return x.cpu().float() @ w.T

@@ -1,0 +1,183 @@
+"""GPU linear weights in fp8 blocks and int4 groups: the Triton kernels against their torch reference (Triton's
+interpreter on the CPU, the GPU where there is one), and `linear.triton` / `lm_head.triton` / `embedding.host` in a
+loaded model against the reference operators."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from glm5_offload.errors import Glm5Error
+from glm5_offload.formats import fp8_blocks, int_groups
+from glm5_offload.kernels import linear_triton
+from glm5_offload.loader import load_model
+from glm5_offload.ops import linear_triton as linear_ops
+from glm5_offload.rules import load_rules
+from glm5_offload.runtime.kv_cache import new_cache
+
+from conftest import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the output's rounding: one bf16 ulp of the largest value, in fp32 a few ulps of the sum
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2**-8}
+
+
+def random(shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def check(y, want, dtype):
+    assert y.dtype == dtype and y.shape == want.shape
+    err = (y.float().cpu() - want).abs().max().item()
+    assert err <= TOLERANCE[dtype] * want.abs().max().item() * 4, err
+
+
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_equals_the_reference(M, dtype):
+    """Partial 128-blocks at both edges (200 x 300); decode (M <= 32) and prefill tiles."""
+    w8, scales = fp8_blocks.quantize(random((200, 300), M) * 0.05)
+    x = random((M, 300), M + 1).to(dtype)
+    y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE), fp8_dot=False)
+    check(y, linear_triton.linear_reference(x, "fp8", w8, scales), dtype)
+
+
+def test_fp8_dot_quantises_the_activations_per_128_inputs():
+    """The FP8-dot prefill path (native on sm89+, widened otherwise: the same products) equals the reference with the
+    activations quantised as fp8_blocks.quantize_activations does, and stays near the unquantised product."""
+    w8, scales = fp8_blocks.quantize(random((256, 384), 1))
+    x = random((64, 384), 2).to(torch.bfloat16)
+    y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE), fp8_dot=True)
+    check(y, linear_triton.linear_reference(x, "fp8", w8, scales, fp8_dot=True), torch.bfloat16)
+    assert rel_err(y.float().cpu(), linear_triton.linear_reference(x, "fp8", w8, scales)) < 0.05
+    x8, s = fp8_blocks.quantize_activations(x)
+    assert x8.dtype == torch.float8_e4m3fn and s.shape == (64, 3)
+    assert rel_err(fp8_blocks.dequantize_activations(x8, s), x.float()) < 0.05
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("M", [1, 7, 40])
+def test_int4_linear_equals_the_reference(M, group):
+    values, scales = int_groups.quantize(random((130, 256), group), "int4", group)
+    x = random((M, 256), M)
+    w, s = torch.from_numpy(values), torch.from_numpy(scales)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = linear_triton.int4_linear(x.to(dtype).to(DEVICE), w.to(DEVICE), s.to(DEVICE), group)
+        check(y, linear_triton.linear_reference(x.to(dtype), "int4", w, s, group), dtype)
+    with pytest.raises(ValueError, match="group size 128 does not divide the 96 inputs"):
+        linear_triton.int4_linear(x[:, :96], w[:, :48], s, 128)
+
+
+def test_split_inputs_sum_in_a_fixed_order(monkeypatch):
+    """Decode splits the inputs over programs (forced here: the interpreter runs one); the partial sums add up to
+    the reference, and two calls give the same bits."""
+    monkeypatch.setattr(linear_triton, "_programs_wanted", lambda device: 64)
+    w8, scales = fp8_blocks.quantize(random((64, 1000), 3))
+    x = random((2, 1000), 4)
+    y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE))
+    check(y, linear_triton.linear_reference(x, "fp8", w8, scales), torch.float32)
+    assert torch.equal(y, linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE)))
+    values, s = int_groups.quantize(random((64, 1024), 5), "int4", 128)
+    y = linear_triton.int4_linear(x[:, :1].repeat(1, 1024).to(DEVICE), torch.from_numpy(values).to(DEVICE),
+                                  torch.from_numpy(s).to(DEVICE), 128)
+    check(y, linear_triton.linear_reference(x[:, :1].repeat(1, 1024), "int4", torch.from_numpy(values),
+                                            torch.from_numpy(s), 128), torch.float32)
+
+
+def test_every_e4m3_value_widens_exactly():
+    """The kernels read FP8 as bytes and widen them by bit arithmetic (no FP8 hardware needed): all 254 finite
+    e4m3 values, and a block scale, against torch's own conversion."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF are NaN
+    w8 = codes.repeat(130, 1)[:, :200].contiguous().view(torch.float8_e4m3fn)  # 130 x 200: partial blocks
+    scales = torch.tensor([[0.5, 3.0], [2.0**-10, 7.0]])
+    out = linear_triton.fp8_dequantize(w8.to(DEVICE), scales.to(DEVICE), torch.float32).cpu()
+    assert torch.equal(out, fp8_blocks.dequantize(w8, scales))
+
+
+def test_quant_linear_module_and_its_cpu_path(monkeypatch):
+    """QuantLinear through the kernels and, on a CPU without the interpreter, through the reference; dense_weight
+    is the dequantised W (what absorbed MLA reads of kv_b_proj)."""
+    w = random((96, 256), 6)
+    x = random((3, 5, 256), 7)
+    for fmt, group in (("fp8", 0), ("int4", 64)):
+        arrays = linear_ops.convert(w, fmt, group)
+        weight = torch.from_numpy(arrays["weight"])
+        weight = weight.view(torch.float8_e4m3fn) if fmt == "fp8" else weight
+        module = linear_ops.QuantLinear(fmt, group, weight, torch.from_numpy(arrays["scales"]), 256, torch.float32)
+        want = x @ module.dense_weight().T
+        assert rel_err(module.dense_weight(), w) < (0.05 if fmt == "fp8" else 0.15)
+        assert rel_err(module(x), want) < 1e-5 and module(x).shape == (3, 5, 96)
+        monkeypatch.setattr(linear_ops, "INTERPRET", False)
+        assert rel_err(module(x), want) < 1e-5
+        monkeypatch.undo()
+
+
+def fast_linears(tmp_path, fmt: str, lm_head: bool = True) -> Path:
+    """glm5-cpu with every projection (and lm_head) in `fmt` (linear.triton) and the embedding in host memory."""
+    text = Path(load_rules("glm5-cpu").path).read_text()
+    if lm_head:
+        text = text.replace("    op: lm_head.reference\n    device: cpu",
+                            f"    op: lm_head.triton\n    device: cpu\n    kwargs: {{format: {fmt}}}")
+    text = text.replace("op: embedding.reference", "op: embedding.host")
+    text += f"\n- match: {{class: Linear}}\n  replace: {{op: linear.triton, device: cpu, kwargs: {{format: {fmt}}}}}\n"
+    path = tmp_path / f"linear-{fmt}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_an_fp8_checkpoint_is_kept_as_released(tiny_dir, tmp_path, monkeypatch):
+    """GLM-5-FP8's form: the e4m3 bytes and block scales of the checkpoint, never widened, nothing converted; the
+    logits equal the reference operators' (which widen the same values at load) in fp32. (lm_head is bf16 in the
+    releases, and stays with its reference here.)"""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ids = torch.arange(12, 52)
+    fast = load_model(tiny_dir(fp8=True), dtype=torch.float32, rules=load_rules(fast_linears(tmp_path, "fp8", lm_head=False)))
+    plain = load_model(tiny_dir(fp8=True), dtype=torch.float32, rules=load_rules("glm5-cpu"))
+    o_proj = fast.model.layers[1].self_attn.o_proj
+    assert isinstance(o_proj, linear_ops.QuantLinear) and o_proj.weight.dtype == torch.float8_e4m3fn
+    assert fast.model.layers[0].self_attn.indexer.weights_proj.weight.dtype == torch.float32  # kept fp32
+    assert not (tmp_path / "cache" / "glm5-offload" / "linear").exists()  # nothing converted
+    assert rel_err(fast(ids, new_cache(fast, 64)), plain(ids, new_cache(plain, 64))) < 1e-5
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("fp8", 0.05), ("int4", 0.15)])
+def test_a_bf16_checkpoint_is_quantised_once(tiny_dir, tmp_path, monkeypatch, fmt, tolerance):
+    """A bf16 checkpoint's projections are quantised at load into the disk store, and read from it next time; each
+    holds its bf16 weight to the format's precision."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ids = torch.arange(12, 52)
+    rules = load_rules(fast_linears(tmp_path, fmt))
+    first = load_model(tiny_dir(), dtype=torch.float32, rules=rules)
+    stores = (tmp_path / "cache" / "glm5-offload" / "linear").glob("*/manifest.json")  # one per (format, group)
+    entries = {name for store in stores for name in json.loads(store.read_text())["files"]}
+    assert "model.layers.1.self_attn.o_proj.weight" in entries and "lm_head.weight" in entries
+    again = load_model(tiny_dir(), dtype=torch.float32, rules=rules)
+    logits = first(ids, new_cache(first, 64))
+    assert torch.equal(logits, again(ids, new_cache(again, 64)))
+    plain = load_model(tiny_dir(), dtype=torch.float32, rules=load_rules("glm5-cpu"))
+    quantised = {n: m for n, m in first.named_modules() if isinstance(m, linear_ops.QuantLinear)}
+    assert len(quantised) == len(entries)
+    for name, module in quantised.items():
+        assert rel_err(module.dense_weight(), plain.get_submodule(name).weight) < tolerance, name
+
+
+def test_linear_kwargs_are_checked():
+    op = linear_ops.OPERATORS[0]
+    assert op.parse_kwargs({}) == {"format": "fp8", "group_size": None, "cache_dir": None}
+    for kwargs, message in [({"format": "fp4"}, "format must be one of fp8, int4, bf16, got 'fp4'"),
+                            ({"format": "int4", "group_size": 100}, "group_size must be one of 32, 64, 128"),
+                            ({"format": "fp8", "group_size": 64}, "group_size is for format int4, not fp8"),
+                            ({"cache_dir": 3}, "cache_dir must be a path")]:
+        with pytest.raises(Glm5Error, match=message):
+            op.parse_kwargs(kwargs)
+
+
+def test_fitting_group():
+    assert int_groups.fitting_group((6144, 2048), None) == 128
+    assert int_groups.fitting_group((64, 32), None) == 32
+    assert int_groups.fitting_group((6144, 2112), 64) == 64
+    with pytest.raises(Glm5Error, match=r"no group size divides the inputs \(48\): use a format without groups"):
+        int_groups.fitting_group((48,), None)
+    assert np.lcm.reduce(int_groups.GROUP_SIZES) == 128
