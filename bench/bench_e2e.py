@@ -1,7 +1,7 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
-        [--rules glm5-1m --gpu-ring 256] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
+        [--rules glm5 --gpu-ring 256] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
         [--peer all,offload] [--prefill-only] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
@@ -141,7 +141,7 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true", help="write the checkpoint with FP8 projections (half the disk)")
     parser.add_argument("--discard", action="store_true",
                         help="delete each checkpoint and its expert cache once measured (the disk holds one)")
-    parser.add_argument("--rules", default="glm5-1m")
+    parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int, help="experts.numba's gpu_ring in every experts rule: experts the "
                                                      "GPU holds at once for long chunks (256: a whole GLM-5 layer)")
     parser.add_argument("--contexts", default="4096,131072")

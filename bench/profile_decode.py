@@ -2,7 +2,7 @@
 busy time per step and the kernel launches per step. Decode is launch-bound when the GPU's busy time is far
 below the step's wall time.
 
-    PYTHONPATH=.:bench python3 bench/profile_decode.py --model DIR --rules glm5-1m [--context 4096] [--steps 8]
+    PYTHONPATH=.:bench python3 bench/profile_decode.py --model DIR --rules glm5 [--context 4096] [--steps 8]
 """
 
 import argparse
@@ -19,7 +19,7 @@ from glm5_offload.runtime.engine import Engine
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--rules", default="glm5-1m")
+    parser.add_argument("--rules", default="glm5")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)

@@ -21,6 +21,7 @@ from glm5_offload.tiny import make_tiny
 
 import bench_dsa
 import bench_experts
+import bench_linear
 import bench_reference
 import bench_tiered
 import ceilings
@@ -43,7 +44,7 @@ def tiny_decode_tok_s(device: str) -> float:
     return engine.generate(list(range(12, 140)), 64).decode_tokens_per_s
 
 
-PARTS = ("tests", "reference", "dsa", "experts", "tiered")
+PARTS = ("tests", "reference", "linear", "dsa", "experts", "tiered")
 
 
 def main():
@@ -81,6 +82,10 @@ def main():
             torch.cuda.empty_cache()
         tiny = results["tiny_decode_tok_s"] = {"cuda": tiny_decode_tok_s("cuda"), "cpu": tiny_decode_tok_s("cpu")}
         table.append(("tiny model decode, reference path", f"cuda {tiny['cuda']:.0f} tok/s, cpu {tiny['cpu']:.0f} tok/s"))
+    if "linear" in parts:
+        print("\nFP8 / int4 linear kernels:", flush=True)
+        results["linear"] = bench_linear.run()
+        print(bench_linear.table(results["linear"]), flush=True)
     if "dsa" in parts:
         print("\nDSA kernels:", flush=True)
         results["dsa"] = bench_dsa.main()

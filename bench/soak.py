@@ -3,7 +3,7 @@ bounded in time; every greedy output is then checked against an eager replay (no
 the same order. Each of the two phases' turns takes a quarter of --seconds, so that with their replays (eager decode
 is slower than the graphs') the whole run takes about --seconds after the model has loaded and compiled.
 
-    PYTHONPATH=.:bench python3 bench/soak.py [--model DIR] [--rules glm5-1m] [--seconds 90] [--clients 4] [--json F]
+    PYTHONPATH=.:bench python3 bench/soak.py [--model DIR] [--rules glm5] [--seconds 90] [--clients 4] [--json F]
 
 Turns: short prompts, prompts above gpu_tokens (1100-1500 tokens, so their experts stream to the GPU), rewinds (a
 prefix of an earlier prompt and new tokens) and extensions (the conversation so far and a new message). Without
@@ -143,7 +143,7 @@ def replay(model, calls: list, prefill_chunk: int) -> list[str]:
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="checkpoint directory (default: a tiny one written to a temporary folder)")
-    parser.add_argument("--rules", default="glm5-1m")
+    parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int, help="gpu_ring in the rules' experts.numba kwargs (256: a whole layer)")
     parser.add_argument("--seconds", type=float, default=180, help="about the whole run's, turns and replays")
     parser.add_argument("--clients", type=int, default=4)

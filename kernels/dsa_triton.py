@@ -14,6 +14,7 @@ import triton.language as tl
 from ..formats import FP8_MAX
 from ..formats.kv_rows import latent_group
 from . import INTERPRET
+from .fp8_bits import e4m3_to_f16, f32_to_e4m3
 
 
 @triton.jit
@@ -39,9 +40,9 @@ def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D:
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1)), tl.max(tl.abs(r2))), tl.max(tl.abs(rest)))
     scale = tl.div_rn(tl.maximum(amax, 1e-12), FP8_MAX)
     # div_rn: IEEE division, as torch's reference does (plain `/` is approximate on the GPU)
-    tl.store(out_ptr + row * D + i, tl.div_rn(r1, scale).to(tl.float8e4nv))
-    tl.store(out_ptr + row * D + half + i, tl.div_rn(r2, scale).to(tl.float8e4nv))
-    tl.store(out_ptr + row * D + RD + rest_i, tl.div_rn(rest, scale).to(tl.float8e4nv))
+    tl.store(out_ptr + row * D + i, f32_to_e4m3(tl.div_rn(r1, scale)))  # out: e4m3 bytes
+    tl.store(out_ptr + row * D + half + i, f32_to_e4m3(tl.div_rn(r2, scale)))
+    tl.store(out_ptr + row * D + RD + rest_i, f32_to_e4m3(tl.div_rn(rest, scale)))
     tl.store(scale_ptr + row, scale)
 
 
@@ -52,7 +53,8 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
     then kv_rows.quantize_keys)."""
     N, D = k.shape
     rows = torch.arange(N, device=k.device) if rows is None else rows
-    _rope_quant_kernel[(N,)](k.contiguous(), cos.float().contiguous(), sin.float().contiguous(), out, scales, rows,
+    _rope_quant_kernel[(N,)](k.contiguous(), cos.float().contiguous(), sin.float().contiguous(), out.view(torch.uint8),
+                             scales, rows,
                              D=D, RD=rope_dim, HALF=rope_dim // 2, REST=D - rope_dim, INTERLEAVED=interleaved,
                              FP8_MAX=FP8_MAX)
 
@@ -61,7 +63,7 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
                     KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
-    # q [S, H, D], keys [T, D] (FP8: e4m3 with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
+    # q [S, H, D], keys [T, D] (FP8: e4m3 bytes with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
     # one program: BLOCK_S queries x KEY_BLOCKS blocks of BLOCK_T keys, the queries loaded once. An FP8 key's
     # scale (> 0) comes out of the ReLU: relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and
     # the score is scaled after.
@@ -78,12 +80,14 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
     for b in tl.static_range(KEY_BLOCKS):
         cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
         k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
-        k = k.to(q.dtype)  # e4m3 values are exact in bf16 and fp32
+        if FP8:
+            k = e4m3_to_f16(k)  # e4m3 bytes -> values / 256, exact in bf16 and fp32 (256 goes into the scale)
+        k = k.to(q.dtype)
         logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
         weighted = tl.maximum(logits, 0.0) * w[:, None]
         scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
         if FP8:
-            scores = scores * tl.load(ks_ptr + cols, mask=cols < T, other=1.0)[None, :]
+            scores = scores * (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * 256.0)[None, :]
         scores = tl.where(cols[None, :] > pos[:, None], float("-inf"), scores)
         tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
 
@@ -111,7 +115,7 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     num_warps = num_warps or 8
     grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
-    _indexer_kernel[grid](q.contiguous(), keys.contiguous(), scales, weights.float().contiguous(),
+    _indexer_kernel[grid](q.contiguous(), keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous(), scales, weights.float().contiguous(),
                           positions.contiguous(), out, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
                           CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps,
                           num_stages=num_stages)
@@ -144,10 +148,10 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K,
         ok = idx >= 0
         if FP8:
             row = lat_ptr + tl.where(ok, idx, 0).to(tl.int64) * (L + 4 * (L // G) + 2 * R)
-            c8 = tl.load((row[:, None] + lc[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=ok[:, None], other=0.0)
+            c8 = tl.load(row[:, None] + lc[None, :], mask=ok[:, None], other=0)  # e4m3 bytes
             sc = tl.load((row[:, None] + L + 4 * (lc[None, :] // G)).to(tl.pointer_type(tl.float32)),
                          mask=ok[:, None], other=0.0)
-            c = (c8.to(tl.float32) * sc).to(q_c.dtype)
+            c = (e4m3_to_f16(c8).to(tl.float32) * (sc * 256.0)).to(q_c.dtype)
             pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
                          mask=ok[:, None], other=0.0).to(q_r.dtype)
         else:
@@ -197,13 +201,13 @@ def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.const
     ok = t < T
     lc, lr = tl.arange(0, L), tl.arange(0, R)
     row = src_ptr + t.to(tl.int64) * (L + 4 * (L // G) + 2 * R)
-    c8 = tl.load((row[:, None] + lc[None, :]).to(tl.pointer_type(tl.float8e4nv)), mask=ok[:, None], other=0.0)
+    c8 = tl.load(row[:, None] + lc[None, :], mask=ok[:, None], other=0)  # e4m3 bytes
     sc = tl.load((row[:, None] + L + 4 * (lc[None, :] // G)).to(tl.pointer_type(tl.float32)), mask=ok[:, None],
-                 other=0.0)
+                 other=0.0) * 256.0
     pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
                  mask=ok[:, None], other=0.0)
     dst = dst_ptr + t.to(tl.int64)[:, None] * (L + R)
-    tl.store(dst + lc[None, :], (c8.to(tl.float32) * sc).to(tl.bfloat16), mask=ok[:, None])
+    tl.store(dst + lc[None, :], (e4m3_to_f16(c8).to(tl.float32) * sc).to(tl.bfloat16), mask=ok[:, None])
     tl.store(dst + L + lr[None, :], pe, mask=ok[:, None])
 
 

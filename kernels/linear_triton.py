@@ -25,17 +25,13 @@ import triton.language as tl
 
 from ..formats import fp8_blocks, int_groups
 from . import INTERPRET
+from .fp8_bits import e4m3_to_f16
 
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
-
-
-@triton.jit
-def _e4m3_bits_to_f16(b):
-    """e4m3 bytes -> their values / 256 as fp16, exactly: the sign to bit 15, exponent and mantissa to bits 13..7
-    (fp16's exponent bias is 8 above e4m3's; subnormals map to subnormals)."""
-    u = b.to(tl.uint16)
-    return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
+# tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
+DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 4}
+PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
@@ -68,11 +64,11 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
                 d = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
                 acc += d * (x_scale[:, None] * w_scale)
             else:  # both widened: each carries a factor 1/256
-                a, b = _e4m3_bits_to_f16(x).to(tl.float32), _e4m3_bits_to_f16(w).to(tl.float32)
+                a, b = e4m3_to_f16(x).to(tl.float32), e4m3_to_f16(w).to(tl.float32)
                 d = tl.dot(a, tl.trans(b), input_precision="ieee")
                 acc += d * (x_scale[:, None] * (w_scale * 65536.0))
         else:
-            b = _e4m3_bits_to_f16(w)
+            b = e4m3_to_f16(w)
             if CAST:
                 d = tl.dot(x.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
             else:
@@ -123,7 +119,7 @@ def _fp8_dequantize_kernel(w_ptr, ws_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
     ok = (n < N)[:, None] & (k < K)[None, :]
     w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=ok, other=0)
     scale = tl.load(ws_ptr + (pid_n * BLOCK_N // 128) * tl.cdiv(K, 128) + kb) * 256.0
-    out = _e4m3_bits_to_f16(w).to(tl.float32) * scale
+    out = e4m3_to_f16(w).to(tl.float32) * scale
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -144,8 +140,9 @@ def _launch(kernel, x, steps: int, N: int, args: tuple, **meta) -> torch.Tensor:
     dtype."""
     M = x.shape[0]
     decode = M <= DECODE_ROWS
-    block_m = max(16, triton.next_power_of_2(M)) if decode else 64
-    block_n = 64 if decode else 128
+    tile = DECODE_TILE if decode else PREFILL_TILE
+    block_m = max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
+    block_n = tile["block_n"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per_split = triton.cdiv(steps, max(1, min(steps, _programs_wanted(x.device) // tiles))) if decode else steps
     splits = triton.cdiv(steps, per_split)
@@ -153,7 +150,7 @@ def _launch(kernel, x, steps: int, N: int, args: tuple, **meta) -> torch.Tensor:
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
     cast = INTERPRET or x.dtype == torch.float32
     kernel[grid](*args, out, M, N, x.shape[1], per_split, BLOCK_M=block_m, BLOCK_N=block_n, CAST=cast,
-                 num_warps=4 if decode else 8, num_stages=4 if decode else 3, **meta)
+                 num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 

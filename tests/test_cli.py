@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from glm5_offload.config import load_config
 from glm5_offload.loader import load_model
+from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
@@ -67,9 +68,10 @@ def test_generate_json_greedy_matches_the_engine(tiny_dir):
     out = json.loads(proc.stdout)
     assert set(out) >= {"prompt_ids", "output_ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}
     assert out["random_weights"] is False and out["prefill_tokens_per_s"] > 0
-    engine = Engine(load_model(path))
+    engine = Engine(load_model(path, rules=load_rules("glm5"), device="cpu"))  # no --rules: the default placement
     expected = engine.generate(out["prompt_ids"], 12).output_ids
     assert out["output_ids"] == expected
+    assert "no --rules given: the default placement glm5" in proc.stderr
     assert isinstance(out["text"], str)
 
 

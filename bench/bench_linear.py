@@ -1,0 +1,122 @@
+"""FP8 and int4 GPU linear kernels (kernels/linear_triton.py) on GLM-5's projection shapes, beside torch's bf16
+F.linear (the reference operator's path) and the hardware ceilings measured in the same run: decode GEMVs as GB/s of
+the weights' bytes and a fraction of the HBM copy bandwidth; prefill GEMMs as TFLOP/s against torch's bf16 matmul.
+
+    PYTHONPATH=.:bench python3 bench/bench_linear.py [--json FILE] [--sweep]
+"""
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import ceilings
+from glm5_offload.formats import fp8_blocks, int_groups
+from glm5_offload.kernels import linear_triton
+
+# (name, out, in) of GLM-5's GPU projections
+SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576, 6144), ("o_proj", 6144, 16384),
+          ("indexer.wq_b", 8192, 2048), ("shared gate/up", 2048, 6144), ("shared down", 6144, 2048),
+          ("lm_head", 154880, 6144)]
+
+
+def weights(n: int, k: int):
+    w = torch.randn(n, k, device="cuda") * 0.02
+    w8, s8 = fp8_blocks.quantize(w)
+    values, s4 = int_groups.quantize(w.cpu(), "int4", 128)
+    return w.bfloat16(), (w8, s8), (torch.from_numpy(values).cuda(), torch.from_numpy(s4).cuda())
+
+
+def decode(hbm: float, rows: int) -> list[dict]:
+    out = []
+    for name, n, k in SHAPES:
+        w16, (w8, s8), (w4, s4) = weights(n, k)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        figures = {"shape": name, "rows": rows}
+        for fmt, fn, nbytes in [("bf16", lambda: F.linear(x, w16), n * k * 2),
+                                ("fp8", lambda: linear_triton.fp8_linear(x, w8, s8), fp8_blocks.nbytes((n, k))),
+                                ("int4", lambda: linear_triton.int4_linear(x, w4, s4, 128),
+                                 int_groups.nbytes(n * k, "int4", 128))]:
+            ms = ceilings.graph_ms(fn)
+            figures[fmt] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6, "of_hbm": nbytes / ms / 1e6 / hbm}
+        out.append(figures)
+        del w16, w8, w4
+    return out
+
+
+def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
+    out = []
+    for name, n, k in [("q_b_proj", 16384, 2048), ("o_proj", 6144, 16384), ("shared gate/up", 2048, 6144)]:
+        w16, (w8, s8), (w4, s4) = weights(n, k)
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        flops = 2 * tokens * n * k
+        figures = {"shape": name, "tokens": tokens}
+        for fmt, fn in [("bf16", lambda: F.linear(x, w16)),
+                        ("fp8", lambda: linear_triton.fp8_linear(x, w8, s8)),
+                        ("fp8, bf16 dots", lambda: linear_triton.fp8_linear(x, w8, s8, fp8_dot=False)),
+                        ("int4", lambda: linear_triton.int4_linear(x, w4, s4, 128))]:
+            ms = ceilings.time_ms(fn)
+            figures[fmt] = {"ms": ms, "tflops": flops / ms / 1e9, "of_bf16_ceiling": flops / ms / 1e9 / bf16_ceiling}
+        out.append(figures)
+    return out
+
+
+def sweep(hbm: float) -> list[dict]:
+    """Decode tiles for the fp8 and int4 GEMV at batch 1 on o_proj and q_b_proj."""
+    out = []
+    shipped = dict(linear_triton.DECODE_TILE)
+    for block_n in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 4, 6):
+                linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages)
+                row = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+                for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
+                    _, (w8, s8), (w4, s4) = weights(n, k)
+                    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                    row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
+                        lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
+                    row[f"{name} int4"] = int_groups.nbytes(n * k, "int4", 128) / ceilings.graph_ms(
+                        lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
+                out.append(row)
+    linear_triton.DECODE_TILE.update(shipped)
+    return out
+
+
+def run(do_sweep: bool = False) -> dict:
+    hbm, bf16 = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
+    result = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": bf16, "decode": decode(hbm, 1) + decode(hbm, 8),
+              "prefill": prefill(4096, bf16)}
+    if do_sweep:
+        result["sweep"] = sweep(hbm)
+    return result
+
+
+def table(r: dict) -> str:
+    lines = [f"HBM copy {r['hbm_copy_gb_s']:.0f} GB/s, bf16 matmul {r['bf16_matmul_tflops']:.0f} TFLOP/s",
+             f"{'decode':<16} {'rows':>4} {'bf16 us':>8} {'fp8 us':>8} {'fp8 GB/s':>9} {'of HBM':>7} {'int4 us':>8} "
+             f"{'int4 GB/s':>9} {'of HBM':>7}"]
+    for d in r["decode"]:
+        lines.append(f"{d['shape']:<16} {d['rows']:>4} {d['bf16']['us']:>8.1f} {d['fp8']['us']:>8.1f} "
+                     f"{d['fp8']['gb_s']:>9.0f} {d['fp8']['of_hbm']:>7.1%} {d['int4']['us']:>8.1f} "
+                     f"{d['int4']['gb_s']:>9.0f} {d['int4']['of_hbm']:>7.1%}")
+    lines.append(f"{'prefill':<16} {'tok':>5} {'bf16 TF':>8} {'fp8 TF':>8} {'x bf16':>7} {'fp8/bf16dot TF':>15} {'int4 TF':>8}")
+    for p in r["prefill"]:
+        lines.append(f"{p['shape']:<16} {p['tokens']:>5} {p['bf16']['tflops']:>8.0f} {p['fp8']['tflops']:>8.0f} "
+                     f"{p['fp8']['tflops'] / p['bf16']['tflops']:>7.2f} {p['fp8, bf16 dots']['tflops']:>15.0f} "
+                     f"{p['int4']['tflops']:>8.0f}")
+    for row in r.get("sweep", []):
+        lines.append("sweep " + ", ".join(f"{k} {v:.1%}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the decode tiles")
+    args = parser.parse_args()
+    result = run(args.sweep)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)

@@ -1,0 +1,111 @@
+"""FP8 by bit arithmetic (kernels/fp8_bits.py) against torch's float8_e4m3fn, and every Triton kernel of the package
+compiled for sm86 (RTX 3090, like sm80: no FP8 conversion instructions, and Triton refuses its float8e4nv type there),
+the FP8-dot prefill kernel for sm89 (RTX 4090: FP8 tensor cores), on this machine's Triton (no GPU needed)."""
+
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5_offload.kernels.fp8_bits import e4m3_to_f16, f32_to_e4m3
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _widen(b_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.load(b_ptr + i, mask=i < N, other=0)
+    tl.store(out_ptr + i, e4m3_to_f16(b).to(tl.float32) * 256.0, mask=i < N)
+
+
+@triton.jit
+def _narrow(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < N, other=0.0)
+    tl.store(out_ptr + i, f32_to_e4m3(x), mask=i < N)
+
+
+def test_every_byte_widens_to_torchs_value():
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # all but the two NaNs
+    out = torch.empty(codes.numel(), device=DEVICE)
+    _widen[(1,)](codes.to(DEVICE), out, codes.numel(), BLOCK=256)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.cpu(), want) and torch.equal(out.cpu().signbit(), want.signbit())  # -0 too
+
+
+def test_values_narrow_to_torchs_bytes():
+    """Every e4m3 value, every midpoint between neighbours (ties to even), the subnormals' range, random values."""
+    values = torch.tensor([b for b in range(127)], dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (values[1:] + values[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([values, mids, torch.rand(4000, generator=g) * 2**-5, torch.rand(4000, generator=g) * 448,
+                   torch.randn(4000, generator=g), torch.tensor([0.0, 448.0, 447.9, 2.0**-10, 2.0**-9 * 1.5])])
+    x = torch.cat([x, -x])
+    out = torch.empty(x.numel(), dtype=torch.uint8, device=DEVICE)
+    _narrow[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, x.numel(), BLOCK=1024)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (out.cpu() != want).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), out[i].item(), want[i].item()) for i in bad[:5]]
+
+
+COMPILE = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_rows as g, linear_triton as l
+
+K = lambda names: {n: "constexpr" for n in names.split()}
+fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
+              "N": "i32", "K": "i32", "blocks_per_split": "i32", **K("BLOCK_M BLOCK_N ACT_FP8 NATIVE CAST")}
+KERNELS = [
+    (l._fp8_kernel, fp8_linear, dict(BLOCK_M=16, BLOCK_N=64, ACT_FP8=False, NATIVE=False, CAST=False)),
+    (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, dict(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, NATIVE=False, CAST=False)),
+    (l._int4_kernel, {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+                      "K": "i32", "groups_per_split": "i32", **K("G BLOCK_M BLOCK_N CAST")},
+     dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False)),
+    (l._fp8_dequantize_kernel, {"w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
+                                **K("BLOCK_N")}, dict(BLOCK_N=64)),
+    (d._rope_quant_kernel, {"k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*u8",
+                            "scale_ptr": "*fp32", "rows_ptr": "*i64", **K("D RD HALF REST INTERLEAVED FP8_MAX")},
+     dict(D=128, RD=64, HALF=32, REST=64, INTERLEAVED=False, FP8_MAX=448.0)),
+    (d._indexer_kernel, {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64",
+                         "out_ptr": "*fp32", "S": "i32", "T": "i32", "scale": "fp32",
+                         **K("H D BLOCK_S BLOCK_T KEY_BLOCKS CAST FP8")},
+     dict(H=32, D=128, BLOCK_S=8, BLOCK_T=128, KEY_BLOCKS=4, CAST=False, FP8=True)),
+    (d._sparse_mla_kernel, {"qc_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*u8", "idx_ptr": "*i64",
+                            "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32", "K": "i32", "H": "i32",
+                            "rows_per_split": "i32", "scale": "fp32", **K("L R G BLOCK_H BLOCK_K CAST FP8")},
+     dict(L=512, R=64, G=128, BLOCK_H=16, BLOCK_K=64, CAST=False, FP8=True)),
+    (d._combine_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
+                         "SH": "i32", "splits": "i32", **K("SPLITS L")}, dict(SPLITS=8, L=512)),
+    (d._fp8_latent_to_bf16_kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "T": "i32", **K("L R G BLOCK_T")},
+     dict(L=512, R=64, G=128, BLOCK_T=16)),
+    (e._dequantize_kernel, {"values_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
+                            "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
+    (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
+                             **K("WORDS BLOCK")}, dict(WORDS=328, BLOCK=512)),
+]
+NATIVE = dict(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, NATIVE=True, CAST=False)  # FP8 tensor cores: sm89 and up
+failed = []
+for capability, fn, signature, constants in [(86, *k) for k in KERNELS] + [(89, l._fp8_kernel,
+                                                                          {**fp8_linear, "x_ptr": "*u8"}, NATIVE)]:
+    try:
+        triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", capability, 32))
+    except Exception as exc:
+        failed.append(f"sm{capability} {fn.__name__} {constants}: {str(exc).splitlines()[0][:300]}")
+print(len(KERNELS), "kernels")
+sys.exit("\n".join(failed) if failed else 0)
+"""
+
+
+def test_every_kernel_compiles_for_sm86():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compiles, not the interpreter
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "11 kernels" in proc.stdout
