@@ -41,7 +41,6 @@ def decode(hbm: float, rows: int) -> list[dict]:
             ms = ceilings.graph_ms(fn)
             figures[fmt] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6, "of_hbm": nbytes / ms / 1e6 / hbm}
         out.append(figures)
-        del w16, w8, w4
     return out
 
 
@@ -66,13 +65,14 @@ def sweep(hbm: float) -> list[dict]:
     """Decode tiles for the fp8 and int4 GEMV at batch 1 on o_proj and q_b_proj."""
     out = []
     shipped = dict(linear_triton.DECODE_TILE)
+    made = {name: weights(n, k)[1:] for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
     for block_n in (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (2, 4, 6):
                 linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages)
                 row = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
                 for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
-                    _, (w8, s8), (w4, s4) = weights(n, k)
+                    (w8, s8), (w4, s4) = made[name]
                     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                     row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
                         lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
