@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import ceilings
 from glm5_offload.formats import fp8_blocks, int_groups
-from glm5_offload.kernels import linear_triton
+from glm5_offload.kernels import experts_triton, linear_triton
 
 # (name, out, in) of GLM-5's GPU projections
 SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576, 6144), ("o_proj", 6144, 16384),
@@ -53,6 +53,9 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
         figures = {"shape": name, "tokens": tokens}
         for fmt, fn in [("bf16", lambda: F.linear(x, w16)),
                         ("fp8", lambda: linear_triton.fp8_linear(x, w8, s8)),
+                        ("fp8 widened + torch", lambda: F.linear(x, linear_triton.fp8_dequantize(w8, s8))),
+                        ("int4 widened + torch",
+                         lambda: F.linear(x, experts_triton.dequantize(w4, s4, "int4", 128))),
                         ("fp8, bf16 dots", lambda: linear_triton.fp8_linear(x, w8, s8, fp8_dot=False)),
                         ("int4", lambda: linear_triton.int4_linear(x, w4, s4, 128))]:
             ms = ceilings.time_ms(fn)
@@ -80,6 +83,21 @@ def sweep(hbm: float) -> list[dict]:
                         lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
                 out.append(row)
     linear_triton.DECODE_TILE.update(shipped)
+    shipped = dict(linear_triton.PREFILL_TILE)
+    _, (w8, s8), _ = weights(6144, 16384)
+    x = torch.randn(4096, 16384, device="cuda", dtype=torch.bfloat16)
+    for block_m in (64, 128):
+        for warps in (4, 8):
+            for stages in (3, 4):
+                linear_triton.PREFILL_TILE.update(block_m=block_m, num_warps=warps, num_stages=stages)
+                try:
+                    tflops = 2 * 4096 * 6144 * 16384 / ceilings.time_ms(lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e9
+                except Exception as e:  # too much shared memory for this tile
+                    tflops = float("nan")
+                    print("prefill tile", block_m, warps, stages, type(e).__name__)
+                out.append({"prefill block_m": block_m, "num_warps": warps, "num_stages": stages,
+                            "o_proj fp8-dot TFLOP/s": tflops})
+    linear_triton.PREFILL_TILE.update(shipped)
     return out
 
 
@@ -100,13 +118,15 @@ def table(r: dict) -> str:
         lines.append(f"{d['shape']:<16} {d['rows']:>4} {d['bf16']['us']:>8.1f} {d['fp8']['us']:>8.1f} "
                      f"{d['fp8']['gb_s']:>9.0f} {d['fp8']['of_hbm']:>7.1%} {d['int4']['us']:>8.1f} "
                      f"{d['int4']['gb_s']:>9.0f} {d['int4']['of_hbm']:>7.1%}")
-    lines.append(f"{'prefill':<16} {'tok':>5} {'bf16 TF':>8} {'fp8 TF':>8} {'x bf16':>7} {'fp8/bf16dot TF':>15} {'int4 TF':>8}")
+    lines.append(f"{'prefill':<16} {'tok':>5} {'bf16 TF':>8} {'fp8dot TF':>10} {'x bf16':>7} {'fp8 bf16dot':>12} "
+                 f"{'fp8 widen+mm':>13} {'int4 TF':>8} {'int4 widen+mm':>14}")
     for p in r["prefill"]:
-        lines.append(f"{p['shape']:<16} {p['tokens']:>5} {p['bf16']['tflops']:>8.0f} {p['fp8']['tflops']:>8.0f} "
-                     f"{p['fp8']['tflops'] / p['bf16']['tflops']:>7.2f} {p['fp8, bf16 dots']['tflops']:>15.0f} "
-                     f"{p['int4']['tflops']:>8.0f}")
+        lines.append(f"{p['shape']:<16} {p['tokens']:>5} {p['bf16']['tflops']:>8.0f} {p['fp8']['tflops']:>10.0f} "
+                     f"{p['fp8']['tflops'] / p['bf16']['tflops']:>7.2f} {p['fp8, bf16 dots']['tflops']:>12.0f} "
+                     f"{p['fp8 widened + torch']['tflops']:>13.0f} {p['int4']['tflops']:>8.0f} "
+                     f"{p['int4 widened + torch']['tflops']:>14.0f}")
     for row in r.get("sweep", []):
-        lines.append("sweep " + ", ".join(f"{k} {v:.1%}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        lines.append("sweep " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     return "\n".join(lines)
 
 

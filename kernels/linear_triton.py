@@ -36,10 +36,11 @@ PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 @triton.jit
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, NATIVE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, FP8_HW: tl.constexpr,
                 CAST: tl.constexpr):
     # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [M, KB] fp32), w [N, K] e4m3 bytes, ws [NB, KB] fp32
     # (KB = cdiv(K, 128)); out [splits, M, N]: this program's tile of split `split` (BLOCK_N divides 128).
+    # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +61,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
         if ACT_FP8:
             x_scale = tl.load(xs_ptr + m * KB + kb, mask=m_ok, other=0.0)
-            if NATIVE:
+            if FP8_HW:
                 d = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
                 acc += d * (x_scale[:, None] * w_scale)
             else:  # both widened: each carries a factor 1/256
@@ -68,12 +69,16 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
                 d = tl.dot(a, tl.trans(b), input_precision="ieee")
                 acc += d * (x_scale[:, None] * (w_scale * 65536.0))
         else:
-            b = e4m3_to_f16(w)
+            if FP8_HW:
+                b = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            else:
+                b = e4m3_to_f16(w).to(tl.bfloat16)
+                w_scale = w_scale * 256.0
             if CAST:
                 d = tl.dot(x.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
             else:
-                d = tl.dot(x, tl.trans(b.to(tl.bfloat16)))
-            acc += d * (w_scale * 256.0)
+                d = tl.dot(x, tl.trans(b))
+            acc += d * w_scale
     out = out_ptr + split * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -167,7 +172,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, fp8_
     else:
         x_in, x_scales = x.contiguous(), scales  # any fp32 tensor stands in for the unused scales
     return _launch(_fp8_kernel, x, triton.cdiv(K, BLOCK), N, (x_in, x_scales, weight.view(torch.uint8), scales),
-                   ACT_FP8=fp8_dot, NATIVE=fp8_dot and has_fp8_dot(x.device))
+                   ACT_FP8=fp8_dot, FP8_HW=has_fp8_dot(x.device))
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:

@@ -37,6 +37,11 @@ def rule_files(tmp_path) -> list[Path]:
     return shipped + [ring, pieces]
 
 
+def model_layer(model, experts) -> str:
+    """The name of the experts module `experts` in model (or what it is, if it is none of them)."""
+    return next((n for n, m in model.named_modules() if m is experts), repr(experts)[:80])
+
+
 def turns(engine: Engine) -> list[list[int]]:
     """Three turns: 1100 prompt tokens (above gpu_tokens 1024), a rewind to 500 of them and 30 new, then that
     turn's prompt and reply and 20 more."""
@@ -61,7 +66,9 @@ def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index)
         engine.stop_ids = set()
         results[graphs] = turns(engine)
         assert (engine.graphs is not None) == (graphs and engine.use_graphs)
-        assert all(not ring.queue for ring in expert_ring._rings.values())  # nothing staged that nobody uses
+        staged = [(key[0], n, model_layer(model, layer), e) for key, ring in expert_ring._rings.items()
+                  for n, layer, e, _, _ in ring.queue]
+        assert staged == [], staged  # nothing staged that nobody uses
     assert results[True] == results[False]
     assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
     if Path(rules.path).name.startswith("glm5.") or "-ring" in rules.path or "-pieces" in rules.path:

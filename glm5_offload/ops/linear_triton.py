@@ -7,9 +7,10 @@ kwargs: format
         the largest that divides the inputs (one that does not is refused, naming those that would).
   bf16  the compute dtype (what linear.reference holds).
 Converted weights are kept in a disk store beside the converted experts (`cache_dir`), so the next start reads them.
-The projection runs in kernels/linear_triton.py on the GPU (and in Triton's interpreter in the CPU tests); on a CPU
-without the interpreter it runs the kernels' reference (the same weights, dequantised), so a placement can be tried
-on any machine. Tensors the model keeps in fp32 (the indexer's weights_proj) stay fp32, as linear.reference has them.
+Decode (up to 32 tokens) runs kernels/linear_triton.py's GEMV, which reads the packed weights once; a prefill chunk
+widens W to the compute dtype in one kernel and runs torch's GEMM (faster on the H200 than the FP8-dot Triton GEMM:
+bench/RESULTS.md). The CPU tests run the kernels in Triton's interpreter; on a CPU without it the kernels' reference
+(the same weights, dequantised) runs, so a placement can be tried on any machine. Tensors the model keeps in fp32 (the indexer's weights_proj) stay fp32, as linear.reference has them.
 """
 
 from pathlib import Path
@@ -54,6 +55,8 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if not self._kernels():  # the kernels' reference, on a CPU without Triton's interpreter
             y = F.linear(flat.float(), self.dense_weight(torch.float32)).to(x.dtype)
+        elif flat.shape[0] > linear_triton.DECODE_ROWS and flat.is_cuda:  # prefill: W widened once, torch's GEMM
+            y = F.linear(flat, self.dense_weight(flat.dtype))
         elif self.fmt == "fp8":
             y = linear_triton.fp8_linear(flat, self.weight, self.scales)
         else:
