@@ -69,19 +69,22 @@ def sweep(hbm: float) -> list[dict]:
     out = []
     shipped = dict(linear_triton.DECODE_TILE)
     made = {name: weights(n, k)[1:] for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (2, 4, 6):
-                linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages)
-                row = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
-                for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
-                    (w8, s8), (w4, s4) = made[name]
-                    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-                    row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
-                        lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
-                    row[f"{name} int4"] = int_groups.nbytes(n * k, "int4", 128) / ceilings.graph_ms(
-                        lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
-                out.append(row)
+    for block_n in (64, 128):
+        for warps in (4, 8):
+            for stages in (2, 4):
+                for step, vector in ((1, False), (2, False), (4, False), (1, True), (2, True)):
+                    linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages, step=step,
+                                                     vector=vector)
+                    row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "step": step, "vector": vector}
+                    for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
+                        (w8, s8), (w4, s4) = made[name]
+                        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                        row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
+                            lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
+                        if step == 1 and not vector:
+                            row[f"{name} int4"] = int_groups.nbytes(n * k, "int4", 128) / ceilings.graph_ms(
+                                lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
+                    out.append(row)
     linear_triton.DECODE_TILE.update(shipped)
     shipped = dict(linear_triton.PREFILL_TILE)
     _, (w8, s8), _ = weights(6144, 16384)

@@ -30,17 +30,18 @@ from .fp8_bits import e4m3_to_f16
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
-DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 4}
+DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 4, "step": 1, "vector": False}
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, FP8_HW: tl.constexpr,
-                CAST: tl.constexpr):
+                CAST: tl.constexpr, STEP: tl.constexpr, VECTOR: tl.constexpr):
     # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [M, KB] fp32), w [N, K] e4m3 bytes, ws [NB, KB] fp32
     # (KB = cdiv(K, 128)); out [splits, M, N]: this program's tile of split `split` (BLOCK_N divides 128).
     # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
+    # STEP 128-blocks of inputs per iteration; VECTOR (M = 1): products summed without a dot.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,33 +54,47 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
     x_rows = x_ptr + m.to(tl.int64)[:, None] * K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(kb0, kb1):
-        k = kb * 128 + kk
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        w_scale = tl.load(ws_ptr + nb * KB + kb)
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
-        if ACT_FP8:
-            x_scale = tl.load(xs_ptr + m * KB + kb, mask=m_ok, other=0.0)
-            if FP8_HW:
-                d = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
-                acc += d * (x_scale[:, None] * w_scale)
-            else:  # both widened: each carries a factor 1/256
-                a, b = e4m3_to_f16(x).to(tl.float32), e4m3_to_f16(w).to(tl.float32)
-                d = tl.dot(a, tl.trans(b), input_precision="ieee")
-                acc += d * (x_scale[:, None] * (w_scale * 65536.0))
-        else:
-            if FP8_HW:
-                b = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    acc_vector = tl.zeros((BLOCK_N,), tl.float32)
+    for kb_first in range(kb0, kb1, STEP):
+        for j in tl.static_range(STEP):
+            kb = kb_first + j
+            k = kb * 128 + kk
+            k_ok = (k < K) & (kb < kb1)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            w_scale = tl.load(ws_ptr + nb * KB + kb, mask=kb < kb1, other=0.0)
+            if VECTOR:
+                x = tl.load(x_ptr + k, mask=k_ok, other=0).to(tl.float32)
+                if FP8_HW:
+                    b = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    b = e4m3_to_f16(w).to(tl.float32)
+                    w_scale = w_scale * 256.0
+                acc_vector += tl.sum(b * x[None, :], axis=1) * w_scale
             else:
-                b = e4m3_to_f16(w).to(tl.bfloat16)
-                w_scale = w_scale * 256.0
-            if CAST:
-                d = tl.dot(x.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-            else:
-                d = tl.dot(x, tl.trans(b))
-            acc += d * w_scale
+                x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+                if ACT_FP8:
+                    x_scale = tl.load(xs_ptr + m * KB + kb, mask=m_ok & (kb < kb1), other=0.0)
+                    if FP8_HW:
+                        d = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
+                        acc += d * (x_scale[:, None] * w_scale)
+                    else:  # both widened: each carries a factor 1/256
+                        a, b = e4m3_to_f16(x).to(tl.float32), e4m3_to_f16(w).to(tl.float32)
+                        d = tl.dot(a, tl.trans(b), input_precision="ieee")
+                        acc += d * (x_scale[:, None] * (w_scale * 65536.0))
+                else:
+                    if FP8_HW:
+                        b = w.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                    else:
+                        b = e4m3_to_f16(w).to(tl.bfloat16)
+                        w_scale = w_scale * 256.0
+                    if CAST:
+                        d = tl.dot(x.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+                    else:
+                        d = tl.dot(x, tl.trans(b))
+                    acc += d * w_scale
     out = out_ptr + split * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
+    if VECTOR:
+        acc = acc + acc_vector[None, :]  # row 0 (the only one)
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -146,7 +161,7 @@ def _launch(kernel, x, steps: int, N: int, args: tuple, **meta) -> torch.Tensor:
     M = x.shape[0]
     decode = M <= DECODE_ROWS
     tile = DECODE_TILE if decode else PREFILL_TILE
-    block_m = max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
+    block_m = 1 if meta.get("VECTOR") else max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
     block_n = tile["block_n"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per_split = triton.cdiv(steps, max(1, min(steps, _programs_wanted(x.device) // tiles))) if decode else steps
@@ -172,7 +187,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, fp8_
     else:
         x_in, x_scales = x.contiguous(), scales  # any fp32 tensor stands in for the unused scales
     return _launch(_fp8_kernel, x, triton.cdiv(K, BLOCK), N, (x_in, x_scales, weight.view(torch.uint8), scales),
-                   ACT_FP8=fp8_dot, FP8_HW=has_fp8_dot(x.device))
+                   ACT_FP8=fp8_dot, FP8_HW=has_fp8_dot(x.device),
+                   STEP=DECODE_TILE["step"] if M <= DECODE_ROWS else 1,
+                   VECTOR=M == 1 and DECODE_TILE["vector"] and not fp8_dot)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:

@@ -70,10 +70,19 @@ def test_int4_linear_equals_the_reference(M, group):
         linear_triton.int4_linear(x[:, :96], w[:, :48], s, 128)
 
 
-def test_split_inputs_sum_in_a_fixed_order(monkeypatch):
+@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}])
+def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     """Decode splits the inputs over programs (forced here: the interpreter runs one); the partial sums add up to
-    the reference, and two calls give the same bits."""
+    the reference, and two calls give the same bits. Every decode tile: several 128-blocks per step, the M = 1
+    vector form."""
     monkeypatch.setattr(linear_triton, "_programs_wanted", lambda device: 64)
+    monkeypatch.setitem(linear_triton.DECODE_TILE, "step", tile.get("step", 1))
+    monkeypatch.setitem(linear_triton.DECODE_TILE, "vector", tile.get("vector", False))
+    for rows in (1, 3):
+        w8, scales = fp8_blocks.quantize(random((64, 1000), rows))
+        x = random((rows, 1000), 4)
+        check(linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE)),
+              linear_triton.linear_reference(x, "fp8", w8, scales), torch.float32)
     w8, scales = fp8_blocks.quantize(random((64, 1000), 3))
     x = random((2, 1000), 4)
     y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE))

@@ -31,7 +31,7 @@ class HostEmbeddingOperator(Operator):
         return [Buffer("cpu", "weights", self.weight_bytes(slot, ctx.dtype))]
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
-        device = torch.device(slot.device)
+        device = torch.empty(0, device=slot.device).device  # with its index: cuda -> cuda:0, as tensors report it
         table = checkpoint.read(slot.tensor_name("weight")).to(ctx.dtype)
         slot.module.weight = nn.Parameter(table.pin_memory() if device.type == "cuda" else table, requires_grad=False)
         slot.module.__class__ = HostEmbedding
