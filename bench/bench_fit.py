@@ -26,9 +26,10 @@ from glm5_offload.tiny import make_tiny
 GiB = 2**30
 
 
-def cuda_plan(model_dir, rules, tokens: int, cap: int):
+def cuda_plan(model_dir, rules, tokens: int, cap: int, prefill_chunk: int):
     config = load_config(model_dir)
-    plan = make_plan(config, place(build_model(config), rules), tokens, {"cuda": cap, "cpu": None})
+    plan = make_plan(config, place(build_model(config), rules), tokens, {"cuda": cap, "cpu": None},
+                     prefill_chunk=prefill_chunk)
     return next(d for d in plan.devices if d.device == "cuda"), plan
 
 
@@ -41,8 +42,8 @@ def run(args) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     max_seq_len = args.context + 3 * args.new_tokens + 64
-    cut, _ = cuda_plan(path, rules, max_seq_len, cap)
-    full, full_plan = cuda_plan(args.full, rules, args.context, cap)
+    cut, _ = cuda_plan(path, rules, max_seq_len, cap, args.prefill_chunk)
+    full, full_plan = cuda_plan(args.full, rules, args.context, cap, 2048)  # the engine's default chunk
     t0 = time.perf_counter()
     model = load_model(path, rules=rules, max_seq_len=max_seq_len, budgets={"cuda": cap})
     load_s = time.perf_counter() - t0

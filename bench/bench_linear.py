@@ -10,6 +10,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+import triton
 
 import ceilings
 from glm5_offload.formats import fp8_blocks, int_groups
@@ -76,14 +77,18 @@ def sweep(hbm: float) -> list[dict]:
                     linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages, step=step,
                                                      vector=vector)
                     row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "step": step, "vector": vector}
-                    for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
-                        (w8, s8), (w4, s4) = made[name]
-                        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-                        row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
-                            lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
-                        if step == 1 and not vector:
-                            row[f"{name} int4"] = int_groups.nbytes(n * k, "int4", 128) / ceilings.graph_ms(
-                                lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
+                    try:
+                        for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
+                            (w8, s8), (w4, s4) = made[name]
+                            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                            row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
+                                lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
+                            if step == 1 and not vector:
+                                row[f"{name} int4"] = int_groups.nbytes(n * k, "int4", 128) / ceilings.graph_ms(
+                                    lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
+                    except triton.runtime.errors.OutOfResources:
+                        row["out of shared memory"] = True
+                    print("sweep", row, flush=True)
                     out.append(row)
     linear_triton.DECODE_TILE.update(shipped)
     shipped = dict(linear_triton.PREFILL_TILE)
@@ -95,9 +100,8 @@ def sweep(hbm: float) -> list[dict]:
                 linear_triton.PREFILL_TILE.update(block_m=block_m, num_warps=warps, num_stages=stages)
                 try:
                     tflops = 2 * 4096 * 6144 * 16384 / ceilings.time_ms(lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e9
-                except Exception as e:  # too much shared memory for this tile
+                except triton.runtime.errors.OutOfResources:  # too much shared memory for this tile
                     tflops = float("nan")
-                    print("prefill tile", block_m, warps, stages, type(e).__name__)
                 out.append({"prefill block_m": block_m, "num_warps": warps, "num_stages": stages,
                             "o_proj fp8-dot TFLOP/s": tflops})
     linear_triton.PREFILL_TILE.update(shipped)
@@ -106,10 +110,11 @@ def sweep(hbm: float) -> list[dict]:
 
 def run(do_sweep: bool = False) -> dict:
     hbm, bf16 = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
-    result = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": bf16, "decode": decode(hbm, 1) + decode(hbm, 8),
-              "prefill": prefill(4096, bf16)}
+    result = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": bf16}
     if do_sweep:
         result["sweep"] = sweep(hbm)
+    result["decode"] = decode(hbm, 1) + decode(hbm, 8)
+    result["prefill"] = prefill(4096, bf16)
     return result
 
 
@@ -128,15 +133,13 @@ def table(r: dict) -> str:
                      f"{p['fp8']['tflops'] / p['bf16']['tflops']:>7.2f} {p['fp8, bf16 dots']['tflops']:>12.0f} "
                      f"{p['fp8 widened + torch']['tflops']:>13.0f} {p['int4']['tflops']:>8.0f} "
                      f"{p['int4 widened + torch']['tflops']:>14.0f}")
-    for row in r.get("sweep", []):
-        lines.append("sweep " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the decode tiles")
+    parser.add_argument("--sweep", action="store_true", help="first sweep the tiles (printed as they go)")
     args = parser.parse_args()
     result = run(args.sweep)
     print(table(result))
