@@ -111,8 +111,12 @@ def sweep(hbm: float) -> list[dict]:
 def run(do_sweep: bool = False) -> dict:
     hbm, bf16 = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
     result = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": bf16}
-    if do_sweep:
+    if do_sweep:  # the tables below then run with the best decode tile (fp8, o_proj + q_b_proj at batch 1)
         result["sweep"] = sweep(hbm)
+        best = max((r for r in result["sweep"] if "o_proj fp8" in r), key=lambda r: r["o_proj fp8"] + r["q_b_proj fp8"])
+        linear_triton.DECODE_TILE.update({k: best[k] for k in linear_triton.DECODE_TILE})
+        print("decode tile for the tables:", linear_triton.DECODE_TILE, flush=True)
+    result["decode_tile"] = dict(linear_triton.DECODE_TILE)
     result["decode"] = decode(hbm, 1) + decode(hbm, 8)
     result["prefill"] = prefill(4096, bf16)
     return result
