@@ -52,13 +52,21 @@ def run(args) -> dict:
     prompt = random_prompt(engine, args.context, seed=0)
     torch.cuda.reset_peak_memory_stats()
     first = engine.generate(prompt, args.new_tokens)
+    print(f"prefill {first.prefill_seconds:.1f} s, peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB", flush=True)
+    graphs = engine.graphs
+    before = (dict(graphs.seconds), graphs.steps) if graphs is not None else None
     second = engine.generate(first.prompt_ids + first.output_ids + prompt[:32], args.new_tokens)
+    split = None
+    if graphs is not None:  # the second turn's replayed steps: ms per token
+        n = graphs.steps - before[1]
+        ms = {k: (graphs.seconds[k] - before[0][k]) / n * 1e3 for k in graphs.seconds}
+        split = {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
     return {
         "checkpoint": str(path), "layers": model.config.num_hidden_layers, "rules": rules.path, "context": args.context,
         "cap_bytes": cap, "load_s": load_s, "cuda_graphs": engine.graphs is not None,
         "prefill_s": first.prefill_seconds, "prefill_tok_s": first.prefill_tokens_per_s,
         "decode_tok_s": first.decode_tokens_per_s, "second_turn_prefilled": second.prefilled_tokens,
-        "second_turn_decode_tok_s": second.decode_tokens_per_s,
+        "second_turn_decode_tok_s": second.decode_tokens_per_s, "graph_split_ms_per_token": split,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(), "planned_gpu_bytes": cut.total,
         "full_model": args.full, "full_planned_gpu_bytes": full.total, "full_fits": full_plan.fits,
         "full_parts": {k: getattr(full, k) for k in ("weights", "latent_kv", "indexer_keys", "activations", "workspace")},
@@ -86,6 +94,7 @@ if __name__ == "__main__":
           f"second turn {r['second_turn_prefilled']} tokens prefilled, decode {r['second_turn_decode_tok_s']:.1f} tok/s")
     print(f"peak GPU memory {r['peak_gpu_bytes'] / GiB:.2f} GiB, planner {r['planned_gpu_bytes'] / GiB:.2f} GiB; "
           f"full {args.full} at {r['context']}: {r['full_planned_gpu_bytes'] / GiB:.2f} GiB "
-          f"({'fits' if r['full_fits'] else 'does NOT fit'} {args.cap} GiB)")
+          f"({'fits' if r['full_fits'] else 'does NOT fit'} {args.cap} GiB); decode split ms/token "
+          f"{r['graph_split_ms_per_token']}")
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))

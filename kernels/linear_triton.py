@@ -30,7 +30,7 @@ from .fp8_bits import e4m3_to_f16
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
-DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 4, "step": 1, "vector": False}
+DECODE_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
