@@ -41,7 +41,9 @@ def run(args) -> dict:
     cap = args.cap * GiB
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
-    max_seq_len = args.context + 3 * args.new_tokens + 64
+    margin = 3 * args.new_tokens + 64  # the replies and the second turn's new tokens
+    max_seq_len = min(args.context + margin, load_config(path).max_position_embeddings)
+    args.context = max_seq_len - margin
     cut, _ = cuda_plan(path, rules, max_seq_len, cap, args.prefill_chunk)
     full, full_plan = cuda_plan(args.full, rules, args.context, cap, 2048)  # the engine's default chunk
     t0 = time.perf_counter()
