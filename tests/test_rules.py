@@ -278,3 +278,27 @@ def test_device_not_present(tiny_dir, tmp_path):
         check_devices_present(placement(tiny_dir() / "config.json", "glm5"))
     proc = glm5("generate", "--model", tiny_dir(), "--rules", "glm5", "--prompt-ids", "1,2", check=False)
     assert proc.returncode == 2 and "device cuda is not present" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_dir):
+    """--device cpu: each shipped placement loads and decodes the tiny model without a GPU (its GPU operators through
+    Triton's interpreter here, their references elsewhere); the reference, CPU and GPU placements give the same
+    logits, the default one (FP8 projections, int4 experts, the tiered FP8 cache) logits of the same model."""
+    from glm5_offload.loader import load_model
+    from glm5_offload.runtime.engine import Engine
+    from glm5_offload.runtime.kv_cache import new_cache
+
+    ids = torch.arange(12, 60)
+    logits = {}
+    for name in SHIPPED:
+        model = load_model(tiny_dir(), dtype=torch.float32, rules=load_rules(name), device="cpu")
+        assert {p.device.type for p in model.parameters()} == {"cpu"}
+        logits[name] = model(ids, new_cache(model, 128), logits_for="last")[0]
+        engine = Engine(model, max_seq_len=128)
+        engine.stop_ids = set()
+        out = engine.generate(ids.tolist(), 4).output_ids
+        assert len(out) == 4 and all(0 <= t < model.config.vocab_size for t in out)
+    for name in ("glm5-reference.yaml", "glm5-gpu.yaml"):
+        assert torch.allclose(logits[name], logits["glm5-cpu.yaml"], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(logits["glm5.yaml"]).all()
+    assert torch.corrcoef(torch.stack([logits["glm5.yaml"], logits["glm5-cpu.yaml"]]))[0, 1] > 0.5
