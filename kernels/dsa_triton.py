@@ -4,7 +4,8 @@ of their cache rows (glm5_offload.formats.kv_rows).
 References: `indexer_scores` and `sparse_mla` in glm5_offload/model/mla.py, `quantize_keys` and
 `dequantize_latent` in glm5_offload/formats/kv_rows.py; the tests compare each kernel with them. Under
 TRITON_INTERPRET=1 (CPU tests) operands are cast to fp32 after loading, since the interpreter's tl.dot multiplies
-bf16 bit patterns; bf16 products are exact in fp32, so both paths compute the same sums.
+bf16 bit patterns; bf16 products are exact in fp32, so both paths compute the same sums. FP8 values are loaded and
+stored as bytes and converted by fp8_bits.py, so every kernel here runs on sm80/sm86 too.
 """
 
 import torch

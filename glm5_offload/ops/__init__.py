@@ -1,6 +1,7 @@
 """The operators a rule can name, one file per family: reference.py (the plain-torch modules), dsa_triton.py
-(attention and indexer in Triton), experts_numba.py (routed experts on the CPU; expert_ring.py streams them to a GPU
-for long prefill chunks). base.py says what an operator is."""
+(attention and indexer in Triton), linear_triton.py (projections and lm_head with FP8 or int4 weights),
+embedding_host.py (the embedding table in host RAM), experts_numba.py (routed experts on the CPU; expert_ring.py
+streams them to a GPU for long prefill chunks). base.py says what an operator is."""
 
 from . import dsa_triton, embedding_host, linear_triton, reference
 from .base import Operator
