@@ -4,6 +4,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from glm5_offload.errors import Glm5Error
@@ -126,6 +127,12 @@ def cmd_generate(args):
             raise Glm5Error("--prompt is not valid UTF-8") from None
     engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=args.prompt is not None)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    if args.load_context:
+        from glm5_offload.runtime.saved_context import load_context
+
+        t0 = time.perf_counter()
+        n = load_context(engine, args.load_context)
+        print(f"glm5: resumed {n} tokens from {args.load_context} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     stream = None
     if tokenizer is not None and not args.json:
         from glm5_offload.chat import ReplyStream
@@ -134,6 +141,12 @@ def cmd_generate(args):
     result = engine.generate(prompt_ids, args.max_new_tokens, params, on_token=stream)
     if stream is not None:
         stream.flush()
+    if args.save_context:
+        from glm5_offload.runtime.saved_context import save_context
+
+        t0 = time.perf_counter()
+        n = save_context(engine, args.save_context)
+        print(f"glm5: saved {n} tokens to {args.save_context} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     text = None
     if tokenizer is not None:
         ids = result.output_ids[:-1] if result.stop_reason == "eos" else result.output_ids
@@ -146,6 +159,7 @@ def cmd_generate(args):
             "output_ids": result.output_ids,
             "text": text,
             "stop_reason": result.stop_reason,
+            "cached_tokens": result.reused_tokens,
             "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
             "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
         }))
@@ -192,7 +206,7 @@ def cmd_serve(args):
         raise Glm5Error(f"--port must be 0-65535, got {args.port}")
     engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=True, chat=True)
     serve(engine, tokenizer, model_dir.name, args.host, args.port, max_new_tokens=args.max_new_tokens,
-          defaults=params, random_weights=is_default)
+          defaults=params, random_weights=is_default, context_dir=args.context_dir)
 
 
 def _placement(args):
@@ -294,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text, tokenized by the model's own tokenizer")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.add_argument("--save-context", metavar="FILE",
+                   help="after the run, write the context (its tokens and every layer's cached rows) to FILE")
+    p.add_argument("--load-context", metavar="FILE",
+                   help="resume a context saved by --save-context: the prompt's longest common prefix with it is not "
+                        "prefilled again (the JSON's cached_tokens)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="prefill and decode speed, a decode step's time split, peak memory")
@@ -315,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p, temperature=1.0, top_p=0.95, max_new_tokens=2048)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--context-dir", metavar="DIR",
+                   help="keep the context on disk here across restarts (written after a request that prefilled "
+                        "1024 tokens or more, and at exit; resumed at start)")
     p.set_defaults(func=cmd_serve)
 
     def placement_args(p):

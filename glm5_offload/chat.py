@@ -9,18 +9,21 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import Glm5Error
 from .runtime.engine import Engine, GenerationResult, SamplingParams
+from .runtime.saved_context import load_context, save_context
 
 THINK_END = "</think>"
 ROLES = ("system", "user", "assistant", "tool", "observation")
+CONTEXT_SUFFIX = ".context"  # /save FILE writes the cached context beside the conversation, at FILE.context
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 HELP = """commands:
   /help          this text
   /reset         forget the conversation (and its cache)
-  /save FILE     write the conversation as JSON
-  /load FILE     read a conversation written by /save
+  /save FILE     write the conversation as JSON, and its cache to FILE.context
+  /load FILE     read a conversation written by /save (and its cache: the next turn is not prefilled again)
   /stats         tokens and speeds so far
   Ctrl-C stops a reply and keeps the session; Ctrl-D exits."""
 
@@ -100,12 +103,14 @@ class Conversation:
         self.engine.reset()
 
     def save(self, path: str):
+        """The conversation as JSON at path, and the engine's context (its cached rows) at path + .context."""
         try:
             with open(path, "w") as f:
                 json.dump({"messages": self.messages, "thinking": self.thinking,
-                           "reasoning_effort": self.reasoning_effort}, f, indent=2)
+                           "reasoning_effort": self.reasoning_effort, "history_ids": self.history_ids}, f, indent=2)
         except OSError as e:
             raise Glm5Error(f"{path}: cannot write the conversation ({e.strerror})") from None
+        save_context(self.engine, path + CONTEXT_SUFFIX)
 
     def load(self, path: str):
         try:
@@ -118,8 +123,15 @@ class Conversation:
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
             raise Glm5Error(f"{path}: 'messages' must be a list of {{role, content}} objects, role one of "
                             f"{', '.join(ROLES)}")
-        self.messages = messages
+        context = Path(path + CONTEXT_SUFFIX)
+        history = data.get("history_ids")
         self.history_ids, self.rendered = [], ""
+        if context.exists():  # checked whole before the engine takes it: a bad one changes nothing
+            load_context(self.engine, context)
+            if isinstance(history, list) and self.engine.cache_ids[: len(history)] == history[: len(self.engine.cache_ids)]:
+                self.history_ids = history  # the next turn's prompt extends exactly what the cache holds
+                self.rendered = self.render(messages, add_generation_prompt=False)
+        self.messages = messages
 
 
 class ReplyStream:

@@ -34,7 +34,7 @@ HEADER_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
                  "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32,
                  "I64": torch.int64, "U64": torch.uint64, "BOOL": torch.bool}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "F32": np.float32}
+_NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "I32": np.int32, "F32": np.float32}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 

@@ -13,13 +13,17 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from .chat import ROLES, ReplyStream, split_reasoning
 from .errors import Glm5Error
 from .runtime.engine import Engine, SamplingParams
+from .runtime.saved_context import load_context, save_context
 
 MAX_BODY = 16 << 20  # bytes of a request body
 TIMEOUT = 30  # seconds a connection may take to send what it announced
+CONTEXT_FILE = "context.safetensors"  # in --context-dir: the engine's context, kept across restarts
+SAVE_AFTER = 1024  # a request that prefilled this many tokens or more has its context written to --context-dir
 
 
 class RequestError(Exception):
@@ -93,11 +97,20 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
 class Service:
     """The engine behind the endpoint, one request at a time."""
 
-    def __init__(self, engine: Engine, tokenizer, model_id: str, max_new_tokens: int, defaults: SamplingParams):
+    def __init__(self, engine: Engine, tokenizer, model_id: str, max_new_tokens: int, defaults: SamplingParams,
+                 context_file: Path | None = None):
+        """context_file: where the engine's context is kept across restarts (--context-dir)."""
         self.engine, self.tokenizer, self.model_id = engine, tokenizer, model_id
         self.max_new_tokens, self.defaults = max_new_tokens, defaults
         self.lock = threading.Lock()
         self.last = None  # the last request's GenerationResult
+        self.context_file = context_file
+
+    def keep_context(self, result) -> None:
+        """After a request that prefilled at least SAVE_AFTER tokens (a long document, not a short follow-up), the
+        context goes to disk; a later start resumes the prefix a request shares with it."""
+        if self.context_file is not None and result.prefilled_tokens >= SAVE_AFTER:
+            save_context(self.engine, self.context_file)
 
     def prompt(self, messages, thinking: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -137,6 +150,7 @@ class Service:
         with self.lock:
             result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
             stream.flush()
+            self.keep_context(result)
         reply = [t for t in result.output_ids if t not in self.engine.stop_ids]
         reasoning, content = split_reasoning(self.tokenizer.decode(reply), thinking)
         if state["stopped"]:
@@ -275,10 +289,24 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1", port: int = 8000,
-                max_new_tokens: int = 2048, defaults: SamplingParams = SamplingParams(temperature=1.0, top_p=0.95)
-                ) -> ThreadingHTTPServer:
-    """defaults: the sampling a request gets for the fields it leaves out."""
-    service = Service(engine, tokenizer, model_id, max_new_tokens, defaults)
+                max_new_tokens: int = 2048, defaults: SamplingParams = SamplingParams(temperature=1.0, top_p=0.95),
+                context_dir: Path | None = None) -> ThreadingHTTPServer:
+    """defaults: the sampling a request gets for the fields it leaves out; context_dir: where the context is kept
+    across restarts (resumed here if one of this model is there; one that does not match is said and left)."""
+    context_file = None
+    if context_dir is not None:
+        context_file = Path(context_dir) / CONTEXT_FILE
+        try:
+            Path(context_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise Glm5Error(f"--context-dir {context_dir}: cannot make it ({e.strerror})") from None
+        if context_file.exists():
+            try:
+                n = load_context(engine, context_file)
+                print(f"glm5 serve: resumed {n} cached tokens from {context_file}", flush=True)
+            except Glm5Error as e:
+                print(f"glm5 serve: not resuming: {e}", flush=True)
+    service = Service(engine, tokenizer, model_id, max_new_tokens, defaults, context_file)
     handler = type("BoundHandler", (Handler,), {"service": service})
     try:
         server = ThreadingHTTPServer((host, port), handler)
@@ -289,8 +317,8 @@ def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1
 
 
 def serve(engine: Engine, tokenizer, model_id: str, host: str, port: int, max_new_tokens: int,
-          defaults: SamplingParams, random_weights: bool):
-    server = make_server(engine, tokenizer, model_id, host, port, max_new_tokens, defaults)
+          defaults: SamplingParams, random_weights: bool, context_dir: Path | None = None):
+    server = make_server(engine, tokenizer, model_id, host, port, max_new_tokens, defaults, context_dir)
     note = " (the embedded tiny model: random weights)" if random_weights else ""
     print(f"glm5 serve: {model_id}{note} on http://{host}:{server.server_address[1]}/v1 "
           "(POST /v1/chat/completions, GET /v1/models, GET /health); Ctrl-C stops", flush=True)
@@ -300,3 +328,8 @@ def serve(engine: Engine, tokenizer, model_id: str, host: str, port: int, max_ne
         pass
     finally:
         server.server_close()
+        service = server.RequestHandlerClass.service
+        if service.context_file is not None and engine.cache is not None and engine.cache.length:
+            with service.lock:
+                n = save_context(engine, service.context_file)
+            print(f"glm5 serve: kept {n} cached tokens in {service.context_file}", flush=True)

@@ -1,0 +1,140 @@
+"""A context saved to disk: an engine's cached tokens with every layer's rows, so a later process resumes it in
+the time it takes to read them instead of prefilling again.
+
+One safetensors file (never pickle), written under a temporary name and renamed (a crash leaves no half file):
+    token_ids        [n] int32, the tokens whose rows the cache holds
+    latent.L         [n, width] layer L's latent rows as stored (uint8 FP8 rows, or the model dtype's bits as uint16)
+    keys.L           [n, index_head_dim] a full layer's indexer keys as stored (e4m3 bytes, or uint16 bits)
+    key_scales.L     [n] fp32, with FP8 keys
+and in its metadata the format and version, the model's identity (config.json's sha256, the weights' fingerprint:
+file names, sizes and times), the cache's form (each layer's row form and width) and a CRC-32 of every tensor.
+
+Loading checks the header, the identity, the form and every tensor's name, dtype, shape and CRC before the engine's
+cache takes any of it: a truncated, foreign or corrupt file is refused in one line and the engine keeps what it had.
+Rows are read from a memory map straight into their place (pinned host memory for tiered layers, the GPU otherwise).
+"""
+
+import hashlib
+import json
+import os
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+
+from ..checkpoint import check_shard, fingerprint, memory_map
+from ..errors import Glm5Error
+from ..formats.kv_rows import FP8Keys
+from .engine import Engine
+from .kv_cache import new_cache
+from .tiered_kv import TieredLatent
+
+FORMAT, VERSION = "glm5-offload context", 1
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.float32}  # element size -> how the bytes are stored
+
+
+def identity(engine: Engine) -> dict:
+    """What a saved context must match: the model's config and weights, and the cache's form."""
+    model = engine.model
+    config_path = Path(model.config.path)
+    form = [{"rows": "fp8" if layer.self_attn.latent_layout.fp8 else str(model.dtype),
+             "keys": layer.self_attn.latent_layout.index_device is not None} for layer in model.model.layers]
+    return {"config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest(),
+            "weights": fingerprint(config_path.parent), "form": form}
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bits as a numpy array of a plain dtype (uint8, uint16 or float32)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float32:
+        return t.numpy()
+    return t.view({1: torch.uint8, 2: torch.int16}[t.element_size()]).numpy().view(_BITS[t.element_size()])
+
+
+def save_context(engine: Engine, path: str | Path) -> int:
+    """Write the engine's cached context to path (atomically); the number of tokens saved."""
+    path = Path(path)
+    cache = engine.cache
+    n = 0 if cache is None else cache.length
+    arrays = {"token_ids": np.asarray(engine.cache_ids[:n], dtype=np.int32)}
+    if cache is not None:
+        for i, rows in enumerate(cache.latent):
+            arrays[f"latent.{i}"] = _as_bytes((rows.host if isinstance(rows, TieredLatent) else rows)[:n])
+        for i, keys in cache.index_keys.items():
+            if isinstance(keys, FP8Keys):
+                arrays[f"keys.{i}"] = _as_bytes(keys.values[:n])
+                arrays[f"key_scales.{i}"] = _as_bytes(keys.scales[:n])
+            else:
+                arrays[f"keys.{i}"] = _as_bytes(keys[:n])
+    crc = {name: zlib.crc32(a) for name, a in arrays.items()}
+    metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n),
+                "identity": json.dumps(identity(engine)), "crc32": json.dumps(crc)}
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(arrays, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise Glm5Error(f"{path}: cannot write the context ({e.strerror})") from None
+    return n
+
+
+def load_context(engine: Engine, path: str | Path) -> int:
+    """Restore a context saved by save_context into the engine (its cache replaced); the number of tokens. The next
+    generate() reuses the longest prefix its prompt shares with them."""
+    path = Path(path)
+    try:
+        _, header = check_shard(path)
+    except OSError as e:
+        raise Glm5Error(f"{path}: cannot read the context ({e.strerror})") from None
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        raise Glm5Error(f"{path}: not a saved glm5-offload context")
+    if meta.get("version") != str(VERSION):
+        raise Glm5Error(f"{path}: a context of format version {meta.get('version')}, this engine reads {VERSION}")
+    try:
+        saved, crc, n = json.loads(meta["identity"]), json.loads(meta["crc32"]), int(meta["tokens"])
+    except (KeyError, ValueError, TypeError):
+        raise Glm5Error(f"{path}: corrupt context metadata") from None
+    mine = identity(engine)
+    for key, what in (("config_sha256", "another model's config.json"), ("weights", "other weights"),
+                      ("form", "another cache form (--kv-dtype, the rules' kv_dtype, or the dtype)")):
+        if saved.get(key) != mine[key]:
+            raise Glm5Error(f"{path}: saved with {what}: this engine cannot resume it")
+    if n > engine.max_seq_len:
+        raise Glm5Error(f"{path}: {n} tokens do not fit max_seq_len {engine.max_seq_len}")
+    arrays = memory_map(path)
+    if engine.cache is None:
+        engine.cache = new_cache(engine.model, engine.max_seq_len)
+    cache = engine.cache
+    targets = {"token_ids": None}
+    for i, rows in enumerate(cache.latent):
+        targets[f"latent.{i}"] = (rows.host if isinstance(rows, TieredLatent) else rows)[:n]
+    for i, keys in cache.index_keys.items():
+        if isinstance(keys, FP8Keys):
+            targets[f"keys.{i}"], targets[f"key_scales.{i}"] = keys.values[:n], keys.scales[:n]
+        else:
+            targets[f"keys.{i}"] = keys[:n]
+    if sorted(arrays) != sorted(targets) or sorted(crc) != sorted(targets):
+        raise Glm5Error(f"{path}: its tensors are not this model's cache")
+    for name, target in targets.items():
+        want = (n,) if target is None else tuple(target.shape)
+        if arrays[name].shape != want or (target is not None and arrays[name].itemsize != target.element_size()):
+            raise Glm5Error(f"{path}: tensor {name} has shape {arrays[name].shape}, expected {want}")
+        if zlib.crc32(arrays[name]) != crc[name]:
+            raise Glm5Error(f"{path}: tensor {name} is corrupt (its CRC-32 differs from the one saved)")
+    ids = arrays["token_ids"].tolist()
+    if any(not 0 <= t < engine.model.config.vocab_size for t in ids):
+        raise Glm5Error(f"{path}: token ids outside the vocabulary")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
+        for name, target in targets.items():
+            if target is not None:
+                source = torch.from_numpy(arrays[name])
+                target.copy_(source if target.dtype == torch.float32 else source.view(target.dtype))
+    engine.cache_ids = ids
+    cache.length = n
+    return n

@@ -1,0 +1,166 @@
+"""Saved contexts: written after a run, resumed by another engine or process with the tokens a fresh run decodes;
+truncated, foreign, corrupt and mismatched files refused in one line with the engine left as it was; chat's /save
+and /load and serve's --context-dir keep the cache too."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from glm5_offload.chat import Conversation
+from glm5_offload.errors import Glm5Error
+from glm5_offload.loader import load_model
+from glm5_offload.rules import load_rules
+from glm5_offload.runtime.engine import Engine
+from glm5_offload.runtime.saved_context import load_context, save_context
+
+PROMPT = list(range(12, 112))
+MORE = PROMPT + list(range(200, 230))
+
+
+def engine(path, rules="glm5-cpu", max_seq_len=512, **kw):
+    e = Engine(load_model(path, dtype=torch.float32, rules=load_rules(rules), device="cpu", **kw), max_seq_len=max_seq_len)
+    e.stop_ids = set()
+    return e
+
+
+@pytest.mark.parametrize("rules", ["glm5-cpu", "glm5"])  # the plain cache; the tiered FP8 rows and FP8 keys
+def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, rules):
+    """Resumed, an engine decodes what the engine that saved would have; with the plain fp32 operators also what a
+    fresh run of the whole prompt does (the fast ones' sums depend on how the prompt is cut into chunks, as any
+    prefix reuse's do)."""
+    path = tiny_dir()
+    first = engine(path, rules)
+    out = first.generate(PROMPT, 8).output_ids
+    n = save_context(first, tmp_path / "ctx.safetensors")
+    assert n == len(PROMPT) + 7  # the prompt and every output token but the last, which was never fed
+    resumed = engine(path, rules)
+    assert load_context(resumed, tmp_path / "ctx.safetensors") == n
+    prompt = PROMPT + out + list(range(300, 310))
+    got = resumed.generate(prompt, 8)
+    assert got.reused_tokens == n
+    assert got.output_ids == first.generate(prompt, 8).output_ids  # the saving engine going on: the same cache bits
+    if rules == "glm5-cpu":  # plain fp32 torch: a fresh run, the whole prompt in one chunk, decodes the same too
+        assert got.output_ids == engine(path, rules).generate(prompt, 8).output_ids
+    again = engine(path, rules)  # a prompt that leaves the saved tokens early reuses what it shares
+    load_context(again, tmp_path / "ctx.safetensors")
+    assert again.generate(MORE, 4).reused_tokens == len(PROMPT)
+
+
+def glm5(*args, check=True):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert not check or proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):
+    """On the CPU: generate --save-context, then another process --load-context: cached_tokens in its JSON, and
+    the tokens of a fresh run of the same prompt."""
+    path, ctx = tiny_dir(), tmp_path / "doc.safetensors"
+    common = ["generate", "--model", path, "--rules", "glm5-cpu", "--dtype", "float32", "--max-new-tokens", 6, "--json"]
+    first = json.loads(glm5(*common, "--prompt-ids", ",".join(map(str, PROMPT)), "--save-context", ctx).stdout)
+    assert first["cached_tokens"] == 0 and ctx.exists()
+    prompt = ",".join(map(str, PROMPT + first["output_ids"] + [300, 301]))
+    proc = glm5(*common, "--prompt-ids", prompt, "--load-context", ctx)
+    resumed = json.loads(proc.stdout)
+    assert resumed["cached_tokens"] == len(PROMPT) + 5 and f"resumed {len(PROMPT) + 5} tokens" in proc.stderr
+    assert resumed["output_ids"] == json.loads(glm5(*common, "--prompt-ids", prompt).stdout)["output_ids"]
+
+
+def test_bad_files_are_refused_and_the_engine_keeps_its_state(tiny_dir, tmp_path):
+    path = tiny_dir()
+    saver = engine(path)
+    saver.generate(PROMPT, 4)
+    good = tmp_path / "good.safetensors"
+    save_context(saver, good)
+    data = good.read_bytes()
+    target = engine(path)
+    target.generate(MORE, 2)
+    state = (list(target.cache_ids), target.cache.length)
+
+    def refused(content: bytes, message: str, name="bad.safetensors"):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        with pytest.raises(Glm5Error, match=message):
+            load_context(target, bad)
+        assert (target.cache_ids, target.cache.length) == state
+
+    refused(data[:-100], "truncated or corrupt safetensors file")
+    refused(data[:5], "truncated safetensors file")
+    flipped = bytearray(data)
+    flipped[-50] ^= 0xFF  # in the last tensor's data
+    refused(bytes(flipped), "is corrupt \\(its CRC-32 differs")
+    refused((path / "model.safetensors").read_bytes() if (path / "model.safetensors").exists()
+            else next(path.glob("*.safetensors")).read_bytes(), "not a saved glm5-offload context")
+    with pytest.raises(Glm5Error, match="cannot read the context"):
+        load_context(target, tmp_path / "missing.safetensors")
+    foreign = engine(tiny_dir(fp8=True))  # another model (its config says FP8)
+    foreign.generate(PROMPT, 2)
+    save_context(foreign, tmp_path / "foreign.safetensors")
+    refused((tmp_path / "foreign.safetensors").read_bytes(), "saved with another model's config.json")
+    copy = shutil.copytree(path, tmp_path / "copy")  # the same config, weights written again since
+    shard = next(copy.glob("*.safetensors"))
+    os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 60))
+    retouched = engine(copy)
+    retouched.generate(PROMPT, 2)
+    save_context(retouched, tmp_path / "retouched.safetensors")
+    refused((tmp_path / "retouched.safetensors").read_bytes(), "saved with other weights")
+    fp8 = engine(path, kv_dtype="fp8")  # the same model, its cache in the FP8 forms
+    fp8.generate(PROMPT, 2)
+    save_context(fp8, tmp_path / "fp8.safetensors")
+    refused((tmp_path / "fp8.safetensors").read_bytes(), "saved with another cache form")
+    assert load_context(target, good) == len(PROMPT) + 3  # and a good one still loads
+
+
+def test_chat_save_and_load_keep_the_cache(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tiny_dir()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    talk = Conversation(engine(path), tokenizer, max_new_tokens=6, system="Be brief.")
+    first = talk.ask("Hello there, tell me about the weather today.")
+    talk.save(str(tmp_path / "talk.json"))
+    assert (tmp_path / "talk.json.context").exists()
+    fresh = Conversation(engine(path), tokenizer, max_new_tokens=6)
+    fresh.load(str(tmp_path / "talk.json"))
+    turn = fresh.ask("And tomorrow?")
+    cached = len(first.result.prompt_ids) + len(first.result.output_ids) - 1
+    assert turn.result.reused_tokens == cached  # the first turn is not prefilled again
+
+
+def post(port, body):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test_serve_keeps_its_context_across_restarts(tiny_dir, tmp_path):
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from glm5_offload.server import make_server
+
+    path = tiny_dir()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    document = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(120))
+    messages = [{"role": "user", "content": document}]
+    usages = []
+    for _ in range(2):  # a server, stopped, then another one on the same --context-dir
+        server = make_server(engine(path, max_seq_len=4096), tokenizer, "tiny", port=0, max_new_tokens=4, context_dir=tmp_path / "ctx")
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        reply = post(server.server_address[1], {"messages": messages, "max_tokens": 4, "temperature": 0})
+        usages.append(reply["usage"])
+        server.shutdown()
+        server.server_close()
+    assert usages[0]["prompt_tokens"] >= 1024 and usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[0]["prompt_tokens"] - 1
