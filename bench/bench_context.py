@@ -1,0 +1,118 @@
+"""Saving and loading a context (runtime/saved_context.py) beside the disk's own sequential write and read speed,
+measured in the same run on the same folder, and the projection to the full model's context.
+
+The bench model's cache is filled with random rows (no prefill: the bytes are what is timed), --context tokens of
+a GLM-5-shaped checkpoint cut to a few layers, placed by --rules. Writes are timed to the end of an fsync; reads
+are of a file written before, so they may come from the page cache (both sides alike: said in the output).
+
+    PYTHONPATH=.:bench python3 bench/bench_context.py --dir /tmp/g52 [--preset glm-5.2 --layers 2 --fp8]
+        [--rules glm5] [--context 1048576] [--folder /tmp] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glm5_offload.config import load_config
+from glm5_offload.loader import load_model
+from glm5_offload.model import build_model
+from glm5_offload.planner import make_plan
+from glm5_offload.rules import load_rules, place
+from glm5_offload.runtime.engine import Engine
+from glm5_offload.runtime.kv_cache import new_cache
+from glm5_offload.runtime.saved_context import load_context, save_context
+from glm5_offload.runtime.tiered_kv import TieredLatent
+from glm5_offload.tiny import make_tiny
+
+
+def fill(engine: Engine, n: int):
+    """n tokens of random cache rows and ids, as if prefilled."""
+    cache = engine.cache = new_cache(engine.model, engine.max_seq_len)
+    for rows in cache.latent:
+        store = rows.host if isinstance(rows, TieredLatent) else rows
+        store[:n].view(torch.uint8).copy_(torch.randint(0, 120, store[:n].view(torch.uint8).shape, dtype=torch.uint8))
+    for keys in cache.index_keys.values():
+        for t in (keys.values, keys.scales) if hasattr(keys, "scales") else (keys,):
+            t[:n].view(torch.uint8).copy_(torch.randint(0, 120, t[:n].view(torch.uint8).shape, dtype=torch.uint8))
+    cache.length = n
+    engine.cache_ids = torch.randint(0, engine.model.config.vocab_size, (n,)).tolist()
+
+
+def disk_speeds(folder: Path, nbytes: int) -> tuple[float, float]:
+    """Sequential write (to the end of an fsync) and read of one file of nbytes, in GB/s."""
+    path = folder / "bench_context_disk.bin"
+    block = np.random.randint(0, 255, 64 << 20, dtype=np.uint8)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // block.nbytes)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write = path.stat().st_size / (time.perf_counter() - t0) / 1e9
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.readinto(block):
+            pass
+    read = path.stat().st_size / (time.perf_counter() - t0) / 1e9
+    path.unlink()
+    return write, read
+
+
+def run(args) -> dict:
+    path = Path(args.dir)
+    if not (path / "config.json").exists():
+        make_tiny(path, preset=None if args.preset == "tiny" else args.preset, layers=args.layers, fp8=args.fp8)
+    rules = load_rules(args.rules)
+    engine = Engine(load_model(path, rules=rules, device=args.device), max_seq_len=args.context)
+    fill(engine, args.context)
+    file = Path(args.folder) / "bench_context.safetensors"
+    t0 = time.perf_counter()
+    save_context(engine, file)
+    with open(file, "rb+") as f:
+        os.fsync(f.fileno())
+    save_s = time.perf_counter() - t0
+    size = file.stat().st_size
+    ids = list(engine.cache_ids)
+    fresh = Engine(engine.model, max_seq_len=args.context)
+    t0 = time.perf_counter()
+    load_context(fresh, file)
+    load_s = time.perf_counter() - t0
+    assert fresh.cache_ids == ids
+    file.unlink()
+    write, read = disk_speeds(Path(args.folder), size)
+    config = load_config(args.full)
+    plan = make_plan(config, place(build_model(config), rules), args.context, {})  # rows in host memory, keys
+    full_bytes = sum(d.latent_kv for d in plan.devices if d.device == "cpu") + sum(d.indexer_keys for d in plan.devices)
+    return {"layers": engine.model.config.num_hidden_layers, "context": args.context, "file_bytes": size,
+            "save_s": save_s, "save_gb_s": size / save_s / 1e9, "load_s": load_s, "load_gb_s": size / load_s / 1e9,
+            "disk_write_gb_s": write, "disk_read_gb_s": read, "full_model": args.full, "full_context_bytes": full_bytes,
+            "full_save_s_projected": full_bytes / (size / save_s), "full_load_s_projected": full_bytes / (size / load_s)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--preset", default="glm-5.2", help="the checkpoint's dims (tiny: the small test model's)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--rules", default="glm5")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--context", type=int, default=1 << 20)
+    parser.add_argument("--folder", default="/tmp", help="where the context and the disk test file are written")
+    parser.add_argument("--full", default="glm-5.2")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    r = run(args)
+    print(f"{r['layers']}-layer model, {r['context']} tokens: file {r['file_bytes'] / 1e9:.2f} GB; save {r['save_s']:.2f} s "
+          f"({r['save_gb_s']:.2f} GB/s = {r['save_gb_s'] / r['disk_write_gb_s']:.0%} of the disk's sequential write "
+          f"{r['disk_write_gb_s']:.2f} GB/s); load {r['load_s']:.2f} s ({r['load_gb_s']:.2f} GB/s = "
+          f"{r['load_gb_s'] / r['disk_read_gb_s']:.0%} of its read {r['disk_read_gb_s']:.2f} GB/s, page cache included)")
+    print(f"{r['full_model']} at {r['context']} tokens: {r['full_context_bytes'] / 1e9:.1f} GB of rows and keys: save "
+          f"~{r['full_save_s_projected']:.0f} s, load ~{r['full_load_s_projected']:.0f} s at these speeds")
+    if args.json:
+        Path(args.json).write_text(json.dumps(r, indent=1))
