@@ -7,7 +7,8 @@ One safetensors file (never pickle), written under a temporary name and renamed 
     keys.L           [n, index_head_dim] a full layer's indexer keys as stored (e4m3 bytes, or uint16 bits)
     key_scales.L     [n] fp32, with FP8 keys
 and in its metadata the format and version, the model's identity (config.json's sha256, the weights' fingerprint:
-file names, sizes and times), the cache's form (each layer's row form and width) and a CRC-32 of every tensor.
+file names, sizes and times), the cache's form (each layer's row form) and a CRC-32 of every 64 MiB of every tensor.
+The arrays are written straight from the cache's memory (no copy) while a pool of threads computes the CRCs.
 
 Loading checks the header, the identity, the form and every tensor's name, dtype, shape and CRC before the engine's
 cache takes any of it: a truncated, foreign or corrupt file is refused in one line and the engine keeps what it had.
@@ -17,13 +18,14 @@ Rows are read from a memory map straight into their place (pinned host memory fo
 import hashlib
 import json
 import os
+import struct
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.numpy import save_file
 
 from ..checkpoint import check_shard, fingerprint, memory_map
 from ..errors import Glm5Error
@@ -34,6 +36,37 @@ from .tiered_kv import TieredLatent
 
 FORMAT, VERSION = "glm5-offload context", 1
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.float32}  # element size -> how the bytes are stored
+_HEADER_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.float32): "F32",
+                  np.dtype(np.int32): "I32"}
+CHUNK = 64 << 20  # bytes under one CRC-32
+_pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="context-crc")  # zlib frees the GIL
+
+
+def _chunks(a: np.ndarray) -> list[memoryview]:
+    flat = memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return [flat[i : i + CHUNK] for i in range(0, len(flat), CHUNK)]
+
+
+def _crcs(a: np.ndarray) -> list[int]:
+    """The CRC-32 of each CHUNK bytes of a, computed by the pool's threads."""
+    return list(_pool.map(zlib.crc32, _chunks(a)))
+
+
+def _write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]):
+    """A safetensors file written straight from the arrays' memory (safetensors.numpy.save_file copies each)."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, a in arrays.items():
+        header[name] = {"dtype": _HEADER_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for a in arrays.values():
+            for chunk in _chunks(a):
+                f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def identity(engine: Engine) -> dict:
@@ -69,12 +102,12 @@ def save_context(engine: Engine, path: str | Path) -> int:
                 arrays[f"key_scales.{i}"] = _as_bytes(keys.scales[:n])
             else:
                 arrays[f"keys.{i}"] = _as_bytes(keys[:n])
-    crc = {name: zlib.crc32(a) for name, a in arrays.items()}
+    crc = {name: _crcs(a) for name, a in arrays.items()}
     metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n),
                 "identity": json.dumps(identity(engine)), "crc32": json.dumps(crc)}
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        save_file(arrays, str(tmp), metadata=metadata)
+        _write_safetensors(tmp, arrays, metadata)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -124,17 +157,22 @@ def load_context(engine: Engine, path: str | Path) -> int:
         want = (n,) if target is None else tuple(target.shape)
         if arrays[name].shape != want or (target is not None and arrays[name].itemsize != target.element_size()):
             raise Glm5Error(f"{path}: tensor {name} has shape {arrays[name].shape}, expected {want}")
-        if zlib.crc32(arrays[name]) != crc[name]:
+        if _crcs(arrays[name]) != crc[name]:
             raise Glm5Error(f"{path}: tensor {name} is corrupt (its CRC-32 differs from the one saved)")
     ids = arrays["token_ids"].tolist()
     if any(not 0 <= t < engine.model.config.vocab_size for t in ids):
         raise Glm5Error(f"{path}: token ids outside the vocabulary")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
+        copies = []
         for name, target in targets.items():
-            if target is not None:
-                source = torch.from_numpy(arrays[name])
-                target.copy_(source if target.dtype == torch.float32 else source.view(target.dtype))
+            if target is None:
+                continue
+            source = torch.from_numpy(arrays[name])
+            source = source if target.dtype == torch.float32 else source.view(target.dtype)
+            rows = max(1, CHUNK // max(1, target[:1].nbytes))
+            copies += [(target[i : i + rows], source[i : i + rows]) for i in range(0, n, rows)]
+        list(_pool.map(lambda pair: pair[0].copy_(pair[1]), copies))  # torch's copies free the GIL too
     engine.cache_ids = ids
     cache.length = n
     return n
