@@ -281,9 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rules", help="rule file placing the modules: a path or a shipped name (glm5, glm5-reference, "
                             "glm5-cpu, glm5-gpu; default glm5)")
         p.add_argument("--device", default=None,
-                       help="run what the rules put on a GPU here: cpu, cuda or cuda:N (cpu: the whole placement on the "
-                            "CPU, through the operators' references where needed; default: the rule file's, or cpu "
-                            "without a GPU and without --rules)")
+                       help="run what the rules put on a GPU here: cpu, cuda or cuda:N (cpu: the whole placement on "
+                            "the CPU, through the operators' references where needed; default: the rule file's, or "
+                            "cpu without a GPU and without --rules)")
         p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                        help="compute dtype (default: the checkpoint's)")
         p.add_argument("--max-seq-len", type=int, default=None, help="context limit (default: the model's)")

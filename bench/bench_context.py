@@ -91,7 +91,8 @@ def run(args) -> dict:
     return {"layers": engine.model.config.num_hidden_layers, "context": args.context, "file_bytes": size,
             "save_s": save_s, "save_gb_s": size / save_s / 1e9, "load_s": load_s, "load_gb_s": size / load_s / 1e9,
             "disk_write_gb_s": write, "disk_read_gb_s": read, "full_model": args.full, "full_context_bytes": full_bytes,
-            "full_save_s_projected": full_bytes / (size / save_s), "full_load_s_projected": full_bytes / (size / load_s)}
+            "full_save_s_projected": full_bytes / (size / save_s),
+            "full_load_s_projected": full_bytes / (size / load_s)}
 
 
 if __name__ == "__main__":
@@ -108,10 +109,12 @@ if __name__ == "__main__":
     parser.add_argument("--json")
     args = parser.parse_args()
     r = run(args)
-    print(f"{r['layers']}-layer model, {r['context']} tokens: file {r['file_bytes'] / 1e9:.2f} GB; save {r['save_s']:.2f} s "
+    print(f"{r['layers']}-layer model, {r['context']} tokens: file {r['file_bytes'] / 1e9:.2f} GB; "
+          f"save {r['save_s']:.2f} s "
           f"({r['save_gb_s']:.2f} GB/s = {r['save_gb_s'] / r['disk_write_gb_s']:.0%} of the disk's sequential write "
           f"{r['disk_write_gb_s']:.2f} GB/s); load {r['load_s']:.2f} s ({r['load_gb_s']:.2f} GB/s = "
-          f"{r['load_gb_s'] / r['disk_read_gb_s']:.0%} of its read {r['disk_read_gb_s']:.2f} GB/s, page cache included)")
+          f"{r['load_gb_s'] / r['disk_read_gb_s']:.0%} of its read {r['disk_read_gb_s']:.2f} GB/s, "
+          "page cache included)")
     print(f"{r['full_model']} at {r['context']} tokens: {r['full_context_bytes'] / 1e9:.1f} GB of rows and keys: save "
           f"~{r['full_save_s_projected']:.0f} s, load ~{r['full_load_s_projected']:.0f} s at these speeds")
     if args.json:

@@ -71,7 +71,8 @@ def run(args) -> dict:
         "second_turn_decode_tok_s": second.decode_tokens_per_s, "graph_split_ms_per_token": split,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(), "planned_gpu_bytes": cut.total,
         "full_model": args.full, "full_planned_gpu_bytes": full.total, "full_fits": full_plan.fits,
-        "full_parts": {k: getattr(full, k) for k in ("weights", "latent_kv", "indexer_keys", "activations", "workspace")},
+        "full_parts": {k: getattr(full, k)
+                       for k in ("weights", "latent_kv", "indexer_keys", "activations", "workspace")},
     }
 
 
@@ -93,7 +94,8 @@ if __name__ == "__main__":
     print(f"{r['layers']}-layer {args.preset} ({r['checkpoint']}), {Path(r['rules']).name}, {r['context']} tokens, "
           f"capped at {args.cap} GiB: load {r['load_s']:.0f} s, prefill {r['prefill_s']:.1f} s "
           f"({r['prefill_tok_s']:.0f} tok/s), decode {r['decode_tok_s']:.1f} tok/s (graphs: {r['cuda_graphs']}), "
-          f"second turn {r['second_turn_prefilled']} tokens prefilled, decode {r['second_turn_decode_tok_s']:.1f} tok/s")
+          f"second turn {r['second_turn_prefilled']} tokens prefilled, "
+          f"decode {r['second_turn_decode_tok_s']:.1f} tok/s")
     print(f"peak GPU memory {r['peak_gpu_bytes'] / GiB:.2f} GiB, planner {r['planned_gpu_bytes'] / GiB:.2f} GiB; "
           f"full {args.full} at {r['context']}: {r['full_planned_gpu_bytes'] / GiB:.2f} GiB "
           f"({'fits' if r['full_fits'] else 'does NOT fit'} {args.cap} GiB); decode split ms/token "

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-import ceilings
 from glm5_offload.formats import fp8_blocks, int_groups
 from glm5_offload.kernels import experts_triton, linear_triton
+
+import ceilings
 
 # (name, out, in) of GLM-5's GPU projections
 SHAPES = [("q_a_proj", 2048, 6144), ("q_b_proj", 16384, 2048), ("kv_a_proj", 576, 6144), ("o_proj", 6144, 16384),
@@ -99,7 +100,8 @@ def sweep(hbm: float) -> list[dict]:
             for stages in (3, 4):
                 linear_triton.PREFILL_TILE.update(block_m=block_m, num_warps=warps, num_stages=stages)
                 try:
-                    tflops = 2 * 4096 * 6144 * 16384 / ceilings.time_ms(lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e9
+                    ms = ceilings.time_ms(lambda: linear_triton.fp8_linear(x, w8, s8))
+                    tflops = 2 * 4096 * 6144 * 16384 / ms / 1e9
                 except triton.runtime.errors.OutOfResources:  # too much shared memory for this tile
                     tflops = float("nan")
                 out.append({"prefill block_m": block_m, "num_warps": warps, "num_stages": stages,

@@ -128,7 +128,8 @@ class Conversation:
         self.history_ids, self.rendered = [], ""
         if context.exists():  # checked whole before the engine takes it: a bad one changes nothing
             load_context(self.engine, context)
-            if isinstance(history, list) and self.engine.cache_ids[: len(history)] == history[: len(self.engine.cache_ids)]:
+            held = self.engine.cache_ids
+            if isinstance(history, list) and held[: len(history)] == history[: len(held)]:
                 self.history_ids = history  # the next turn's prompt extends exactly what the cache holds
                 self.rendered = self.render(messages, add_generation_prompt=False)
         self.messages = messages

@@ -295,8 +295,8 @@ def place(tree: nn.Module, rules: RuleFile | None, device: str | None = None) ->
                 kwargs = op.parse_kwargs({k: v for k, v in kwargs.items() if k in op.kwargs})
         children = list(module.named_children())
         if op is not None:
-            slot = slots[name] = Slot(name, module, op, on or default, op.parse_kwargs({}) if kwargs is None else kwargs,
-                                      source, parent)
+            kwargs = op.parse_kwargs({}) if kwargs is None else kwargs
+            slot = slots[name] = Slot(name, module, op, on or default, kwargs, source, parent)
             if parent is not None:
                 parent.children[name.removeprefix(parent.name + ".")] = slot
             parent = slot

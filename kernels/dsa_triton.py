@@ -116,7 +116,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     num_warps = num_warps or 8
     grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
-    _indexer_kernel[grid](q.contiguous(), keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous(), scales, weights.float().contiguous(),
+    keys = keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous()
+    _indexer_kernel[grid](q.contiguous(), keys, scales, weights.float().contiguous(),
                           positions.contiguous(), out, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
                           CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps,
                           num_stages=num_stages)

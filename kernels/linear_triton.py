@@ -174,7 +174,8 @@ def _launch(kernel, x, steps: int, N: int, args: tuple, **meta) -> torch.Tensor:
     return out[0] if splits == 1 else out.sum(0).to(x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, fp8_dot: bool | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+               fp8_dot: bool | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp32) @ W^T for W8 [N, K] float8_e4m3fn with scales [cdiv(N,128), cdiv(K,128)] fp32 -> [M, N]
     in x's dtype. fp8_dot (default: a bf16 prefill on a GPU with FP8 tensor cores) quantises x per 128 inputs."""
     M, K = x.shape

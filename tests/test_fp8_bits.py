@@ -62,11 +62,11 @@ from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_ro
 K = lambda names: {n: "constexpr" for n in names.split()}
 fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
               "N": "i32", "K": "i32", "blocks_per_split": "i32", **K("BLOCK_M BLOCK_N ACT_FP8 FP8_HW CAST STEP VECTOR")}
+fp8_tile = lambda **k: {**dict(BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=False), **k}
 KERNELS = [
-    (l._fp8_kernel, fp8_linear, dict(BLOCK_M=16, BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=2, VECTOR=False)),
-    (l._fp8_kernel, fp8_linear, dict(BLOCK_M=1, BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=True)),
-    (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, dict(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=False, CAST=False, STEP=1,
-                                                    VECTOR=False)),
+    (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, STEP=2)),
+    (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, VECTOR=True)),
+    (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True)),
     (l._int4_kernel, {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
                       "K": "i32", "groups_per_split": "i32", **K("G BLOCK_M BLOCK_N CAST")},
      dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False)),
@@ -92,12 +92,11 @@ KERNELS = [
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
                              **K("WORDS BLOCK")}, dict(WORDS=328, BLOCK=512)),
 ]
-NATIVE = dict(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True, CAST=False, STEP=1, VECTOR=False)  # FP8 hardware: sm89 and up
+NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 failed = []
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
-      (89, l._fp8_kernel, fp8_linear, dict(BLOCK_M=16, BLOCK_N=64, ACT_FP8=False, FP8_HW=True, CAST=False, STEP=2, VECTOR=False)),
-      (89, l._fp8_kernel, fp8_linear, dict(BLOCK_M=1, BLOCK_N=64, ACT_FP8=False, FP8_HW=True, CAST=False, STEP=1,
-                                           VECTOR=True))]
+      (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, FP8_HW=True, STEP=2)),
+      (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, FP8_HW=True, VECTOR=True))]
 for capability, fn, signature, constants in [(86, *k) for k in KERNELS] + HW:
     try:
         triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", capability, 32))

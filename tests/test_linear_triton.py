@@ -142,7 +142,8 @@ def test_an_fp8_checkpoint_is_kept_as_released(tiny_dir, tmp_path, monkeypatch):
     releases, and stays with its reference here.)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     ids = torch.arange(12, 52)
-    fast = load_model(tiny_dir(fp8=True), dtype=torch.float32, rules=load_rules(fast_linears(tmp_path, "fp8", lm_head=False)))
+    rules = load_rules(fast_linears(tmp_path, "fp8", lm_head=False))
+    fast = load_model(tiny_dir(fp8=True), dtype=torch.float32, rules=rules)
     plain = load_model(tiny_dir(fp8=True), dtype=torch.float32, rules=load_rules("glm5-cpu"))
     o_proj = fast.model.layers[1].self_attn.o_proj
     assert isinstance(o_proj, linear_ops.QuantLinear) and o_proj.weight.dtype == torch.float8_e4m3fn

@@ -190,11 +190,11 @@ def test_index_naming_something_not_a_shard(ckpt, file):
     assert f"weight_map gives model.norm.weight the file {file!r}, not a shard's file name" in load_error(ckpt)
 
 
-def test_a_memory_map_refuses_dtypes_the_store_never_writes(tmp_path):
+def test_a_memory_map_refuses_dtypes_the_stores_never_write(tmp_path):
     from glm5_offload.checkpoint import memory_map
 
     save_file({"x": torch.zeros(4, dtype=torch.float16)}, tmp_path / "f16.safetensors")
-    with pytest.raises(Glm5Error, match="tensor x has dtype F16, not one of I8, U8, U16, F32"):
+    with pytest.raises(Glm5Error, match="tensor x has dtype F16, not one of I8, U8, U16, I32, F32"):
         memory_map(tmp_path / "f16.safetensors")
 
 

@@ -129,14 +129,16 @@ def glm5(*args):
 
 
 def test_plan_command():
-    proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000, "--gpu-mem", "160GiB",
+    proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
+                "--gpu-mem", "160GiB",
                 "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json")
     assert proc.returncode == 0, proc.stderr
     table, figures = proc.stdout.rsplit("\n", 2)[0], json.loads(proc.stdout.strip().splitlines()[-1])
     assert "latent KV fp8 (656 B/token/layer)" in table and "fits; largest context" in table
     # every layer's FP8 rows, and one buffer of them converted to bf16 for a prefill chunk's sparse MLA
     assert figures["fits"] and figures["devices"]["cuda"]["latent_kv"] == (78 * 656 + 576 * 2) * 1_000_000
-    over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000, "--gpu-mem", "24GiB",
+    over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
+                "--gpu-mem", "24GiB",
                 "--host-mem", "512GiB")
     assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
 

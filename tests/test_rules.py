@@ -177,8 +177,9 @@ def test_group_sizes_that_do_not_divide_are_chosen_or_refused(tmp_path):
                                         r"128 does not divide the inputs \(6144, 2112\): use group_size 64 or 32, or "
                                         "leave group_size out"):
         placement(config, asked)
-    int4 = write(tmp_path, Path(load_rules("glm5").path).read_text().replace("{format: fp8}\n\n- match:\n    class: Router",
-                                                                               "{format: int4, group_size: 128}\n\n- match:\n    class: Router"),
+    router = "\n\n- match:\n    class: Router"
+    text = Path(load_rules("glm5").path).read_text()
+    int4 = write(tmp_path, text.replace("{format: fp8}" + router, "{format: int4, group_size: 128}" + router),
                  "int4.yaml")
     assert placement("glm-5", int4).slots["model.layers.0.self_attn.o_proj"].op.format(
         placement("glm-5", int4).slots["model.layers.0.self_attn.o_proj"], torch.bfloat16) == "int4/g128"

@@ -24,7 +24,8 @@ MORE = PROMPT + list(range(200, 230))
 
 
 def engine(path, rules="glm5-cpu", max_seq_len=512, **kw):
-    e = Engine(load_model(path, dtype=torch.float32, rules=load_rules(rules), device="cpu", **kw), max_seq_len=max_seq_len)
+    model = load_model(path, dtype=torch.float32, rules=load_rules(rules), device="cpu", **kw)
+    e = Engine(model, max_seq_len=max_seq_len)
     e.stop_ids = set()
     return e
 
@@ -155,7 +156,8 @@ def test_serve_keeps_its_context_across_restarts(tiny_dir, tmp_path):
     messages = [{"role": "user", "content": document}]
     usages = []
     for _ in range(2):  # a server, stopped, then another one on the same --context-dir
-        server = make_server(engine(path, max_seq_len=4096), tokenizer, "tiny", port=0, max_new_tokens=4, context_dir=tmp_path / "ctx")
+        server = make_server(engine(path, max_seq_len=4096), tokenizer, "tiny", port=0, max_new_tokens=4,
+                             context_dir=tmp_path / "ctx")
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         reply = post(server.server_address[1], {"messages": messages, "max_tokens": 4, "temperature": 0})

@@ -201,7 +201,8 @@ def chain_layers(layers: list[NumbaExperts]):
 
 class NumbaExpertsOperator(ExpertsOperator):
     """kwargs: format (bf16 | int8 | int4), group_size (32 | 64 | 128; by default the largest that fits), threads,
-    cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring (experts the GPU holds)."""
+    cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring
+    (experts the GPU holds)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
@@ -233,7 +234,8 @@ class NumbaExpertsOperator(ExpertsOperator):
         fmt, expert = slot.kwargs["format"], slot.module[0]
         if fmt == "bf16":
             return fmt, GROUP
-        return fmt, fitting_group((expert.gate_proj.in_features, expert.down_proj.in_features), slot.kwargs["group_size"])
+        dims = (expert.gate_proj.in_features, expert.down_proj.in_features)
+        return fmt, fitting_group(dims, slot.kwargs["group_size"])
 
     def weight_bytes(self, slot: Slot, dtype: torch.dtype) -> int:
         return nbytes(sum(t.numel() for t in slot.own_tensors().values()), *self.packing(slot, dtype))

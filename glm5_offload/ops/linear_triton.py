@@ -10,7 +10,8 @@ Converted weights are kept in a disk store beside the converted experts (`cache_
 Decode (up to 32 tokens) runs kernels/linear_triton.py's GEMV, which reads the packed weights once; a prefill chunk
 widens W to the compute dtype in one kernel and runs torch's GEMM (faster on the H200 than the FP8-dot Triton GEMM:
 bench/RESULTS.md). The CPU tests run the kernels in Triton's interpreter; on a CPU without it the kernels' reference
-(the same weights, dequantised) runs, so a placement can be tried on any machine. Tensors the model keeps in fp32 (the indexer's weights_proj) stay fp32, as linear.reference has them.
+(the same weights, dequantised) runs, so a placement can be tried on any machine. Tensors the model keeps in fp32
+(the indexer's weights_proj) stay fp32, as linear.reference has them.
 """
 
 from pathlib import Path
@@ -99,7 +100,9 @@ class LinearOperator(Operator):
         if keeps_fp32(slot.tensor_name("weight")):
             return "fp32", 0
         fmt = slot.kwargs["format"]
-        return fmt, int_groups.fitting_group((slot.module.in_features,), slot.kwargs["group_size"]) if fmt == "int4" else 0
+        if fmt != "int4":
+            return fmt, 0
+        return fmt, int_groups.fitting_group((slot.module.in_features,), slot.kwargs["group_size"])
 
     def format(self, slot: Slot, dtype: torch.dtype) -> str:
         fmt, group = self._packing(slot)
@@ -132,7 +135,8 @@ class LinearOperator(Operator):
                               {"format": fmt, "group_size": group}, STORE_VERSION)
             arrays = store.load(name) or store.store(name, convert(checkpoint.read(name), fmt, group))
             weight = torch.from_numpy(np.array(arrays["weight"]))  # a copy: the store's maps are read-only
-            stored = (weight.view(torch.float8_e4m3fn) if fmt == "fp8" else weight, torch.from_numpy(np.array(arrays["scales"])))
+            stored = (weight.view(torch.float8_e4m3fn) if fmt == "fp8" else weight,
+                      torch.from_numpy(np.array(arrays["scales"])))
         device = torch.device(slot.device)
         return QuantLinear(fmt, group, stored[0].to(device), stored[1].float().to(device), slot.module.in_features,
                            ctx.dtype)

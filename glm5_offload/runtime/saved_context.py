@@ -56,7 +56,8 @@ def _write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict
     """A safetensors file written straight from the arrays' memory (safetensors.numpy.save_file copies each)."""
     header, offset = {"__metadata__": metadata}, 0
     for name, a in arrays.items():
-        header[name] = {"dtype": _HEADER_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": _HEADER_DTYPES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
