@@ -191,3 +191,19 @@ def test_fitting_group():
     with pytest.raises(Glm5Error, match=r"no group size divides the inputs \(48\): use a format without groups"):
         int_groups.fitting_group((48,), None)
     assert np.lcm.reduce(int_groups.GROUP_SIZES) == 128
+
+
+def test_prefill_widens_the_projections_but_not_lm_head():
+    """A prefill chunk widens a projection's W for torch's GEMM (its bytes are workspace); lm_head, 1.9 GB widened
+    for GLM-5, always runs the kernels."""
+    from glm5_offload.config import load_config
+    from glm5_offload.model import build_model
+    from glm5_offload.ops.base import PlanContext
+    from glm5_offload.rules import place
+
+    config = load_config("glm-5")
+    placement = place(build_model(config), load_rules("glm5"))
+    ctx = PlanContext(config, torch.bfloat16, 4096, None, None, 2048, "cuda")
+    o_proj, head = placement.slots["model.layers.0.self_attn.o_proj"], placement.slots["lm_head"]
+    assert [b.bytes for b in o_proj.op.memory(o_proj, ctx) if b.kind == "workspace"] == [6144 * 16384 * 2]
+    assert [b.bytes for b in head.op.memory(head, ctx) if b.kind == "workspace"] == [4 * 132 * 32 * 128 * 4]

@@ -38,10 +38,11 @@ class QuantLinear(nn.Module):
     [N, K/2], scales [N, K/group])."""
 
     def __init__(self, fmt: str, group: int, weight: torch.Tensor, scales: torch.Tensor, in_features: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, widen: bool = True):
+        """widen: a prefill chunk widens W for torch's GEMM (not lm_head: 1.9 GB widened, for one row's logits)."""
         super().__init__()
         self.fmt, self.group, self.in_features, self.out_features = fmt, group, in_features, weight.shape[0]
-        self.compute_dtype = dtype
+        self.compute_dtype, self.widen = dtype, widen
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
 
@@ -56,7 +57,7 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if not self._kernels():  # the kernels' reference, on a CPU without Triton's interpreter
             y = F.linear(flat.float(), self.dense_weight(torch.float32)).to(x.dtype)
-        elif flat.shape[0] > linear_triton.DECODE_ROWS and flat.is_cuda:  # prefill: W widened once, torch's GEMM
+        elif self.widen and flat.shape[0] > linear_triton.DECODE_ROWS and flat.is_cuda:  # prefill: W widened, GEMM
             y = F.linear(flat, self.dense_weight(flat.dtype))
         elif self.fmt == "fp8":
             y = linear_triton.fp8_linear(flat, self.weight, self.scales)
@@ -119,10 +120,14 @@ class LinearOperator(Operator):
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """The weights, and as workspace a decode step's partial sums (split over the inputs: at most 4 programs of
-        [32, 64] fp32 per SM, on a GPU of up to 132 SMs)."""
-        partials = 4 * 132 * linear_triton.DECODE_ROWS * 64 * 4 if self._packing(slot)[0] in ("fp8", "int4") else 0
+        [32, 128] fp32 per SM, on a GPU of up to 132 SMs) or a prefill's widened W (not lm_head's)."""
+        if self._packing(slot)[0] not in ("fp8", "int4"):
+            return super().memory(slot, ctx)
+        partials = 4 * 132 * linear_triton.DECODE_ROWS * 128 * 4
+        shape = (slot.module.out_features, slot.module.in_features)
+        widened = 0 if self.replaces is LMHead else shape[0] * shape[1] * ctx.dtype.itemsize
         return [Buffer(slot.device, "weights", self.weight_bytes(slot, ctx.dtype)),
-                Buffer(slot.device, "workspace", partials)]
+                Buffer(slot.device, "workspace", max(partials, widened))]
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
         fmt, group = self._packing(slot)
@@ -139,7 +144,7 @@ class LinearOperator(Operator):
                       torch.from_numpy(np.array(arrays["scales"])))
         device = torch.device(slot.device)
         return QuantLinear(fmt, group, stored[0].to(device), stored[1].float().to(device), slot.module.in_features,
-                           ctx.dtype)
+                           ctx.dtype, widen=self.replaces is not LMHead)
 
 
 def convert(weight: torch.Tensor, fmt: str, group: int) -> dict[str, np.ndarray]:
