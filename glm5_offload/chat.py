@@ -112,7 +112,9 @@ class Conversation:
             raise Glm5Error(f"{path}: cannot write the conversation ({e.strerror})") from None
         save_context(self.engine, path + CONTEXT_SUFFIX)
 
-    def load(self, path: str):
+    def load(self, path: str) -> str:
+        """The conversation saved at path, and its cache beside it where this engine can resume it; what became of
+        the cache, in words."""
         try:
             with open(path) as f:
                 data = json.load(f)
@@ -125,14 +127,18 @@ class Conversation:
                             f"{', '.join(ROLES)}")
         context = Path(path + CONTEXT_SUFFIX)
         history = data.get("history_ids")
-        self.history_ids, self.rendered = [], ""
-        if context.exists():  # checked whole before the engine takes it: a bad one changes nothing
-            load_context(self.engine, context)
-            held = self.engine.cache_ids
-            if isinstance(history, list) and held[: len(history)] == history[: len(held)]:
-                self.history_ids = history  # the next turn's prompt extends exactly what the cache holds
-                self.rendered = self.render(messages, add_generation_prompt=False)
-        self.messages = messages
+        self.history_ids, self.rendered, self.messages = [], "", messages
+        if not context.exists():
+            return "no cache beside it: the next turn prefills the conversation"
+        try:  # checked whole before the engine takes it: a bad one changes nothing
+            n = load_context(self.engine, context)
+        except Glm5Error as e:  # another model's, or damaged: the conversation still loads
+            return f"its cache was not loaded ({e})"
+        held = self.engine.cache_ids
+        if isinstance(history, list) and held[: len(history)] == history[: len(held)]:
+            self.history_ids = history  # the next turn's prompt extends exactly what the cache holds
+            self.rendered = self.render(messages, add_generation_prompt=False)
+        return f"{n} cached tokens resumed"
 
 
 class ReplyStream:
@@ -219,8 +225,8 @@ def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True
                     conversation.save(arg)
                     print(f"saved {len(conversation.messages)} messages to {arg}", file=out)
                 elif command == "/load" and arg:
-                    conversation.load(arg)
-                    print(f"loaded {len(conversation.messages)} messages from {arg}", file=out)
+                    note = conversation.load(arg)
+                    print(f"loaded {len(conversation.messages)} messages from {arg}; {note}", file=out)
                 elif command == "/stats":
                     print(f"turns {totals['turns']}, prefilled {totals['prefilled']} tokens, generated "
                           f"{totals['generated']} tokens, context {len(engine.cache_ids)} of {engine.max_seq_len}",

@@ -130,10 +130,16 @@ def test_chat_save_and_load_keep_the_cache(tiny_dir, tmp_path):
     talk.save(str(tmp_path / "talk.json"))
     assert (tmp_path / "talk.json.context").exists()
     fresh = Conversation(engine(path), tokenizer, max_new_tokens=6)
-    fresh.load(str(tmp_path / "talk.json"))
-    turn = fresh.ask("And tomorrow?")
     cached = len(first.result.prompt_ids) + len(first.result.output_ids) - 1
+    assert fresh.load(str(tmp_path / "talk.json")) == f"{cached} cached tokens resumed"
+    turn = fresh.ask("And tomorrow?")
     assert turn.result.reused_tokens == cached  # the first turn is not prefilled again
+    context = tmp_path / "talk.json.context"
+    context.write_bytes(context.read_bytes()[:-10])  # damaged: the conversation still loads, without its cache
+    other = Conversation(engine(path), tokenizer, max_new_tokens=6)
+    note = other.load(str(tmp_path / "talk.json"))
+    assert note.startswith("its cache was not loaded (") and "truncated" in note
+    assert other.messages == fresh.messages[:3] and other.engine.cache is None
 
 
 def post(port, body):
