@@ -9,15 +9,19 @@ spans synchronise the device at their edges (util.span): attention (indexer and 
 routed experts, the hidden state's host-GPU transfers around CPU experts, and the rest (dense and shared
 MLPs, router, norms, lm_head, sampling, Python).
 A last run prefills the context afresh under a Timeline: the same parts for the prefill (the indexer shown
-apart, as a part of attention), from which bench_e2e.py projects a whole model's long prefill.
+apart, as a part of attention), from which bench_e2e.py projects a whole model's long prefill. That context is then
+saved to a temporary file and loaded back into the engine (runtime/saved_context.py): the file's size and the times.
 """
 
 import resource
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from .runtime.engine import Engine
+from .runtime.saved_context import load_context, save_context
 from .util import Timeline
 
 PARTS = ("attention", "experts", "transfers")
@@ -72,6 +76,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
             third = engine.generate(again.prompt_ids + again.output_ids, new_tokens)
     split = parts(timeline, third.prefill_seconds + third.decode_seconds)  # new_tokens forwards, 1 token each
     prefill = prefill_split(engine, prompt)
+    saved = saved_context_seconds(engine)
     return {
         "model": str(Path(model.config.path).parent), "context": context, "new_tokens": new_tokens,
         "prefill_tokens_per_s": first.prefill_tokens_per_s,
@@ -84,7 +89,21 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "prefill_split_s": prefill,
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "saved_context": saved,
     }
+
+
+def saved_context_seconds(engine: Engine) -> dict:
+    """The engine's context saved to a temporary file and loaded back in place: tokens, bytes, seconds."""
+    with tempfile.TemporaryDirectory(prefix="glm5-bench-") as folder:
+        path = Path(folder) / "context.safetensors"
+        t0 = time.perf_counter()
+        tokens = save_context(engine, path)
+        save_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        load_context(engine, path)
+        return {"tokens": tokens, "bytes": path.stat().st_size, "save_s": save_s,
+                "load_s": time.perf_counter() - t0}
 
 
 def format_table(r: dict) -> str:
@@ -104,5 +123,8 @@ def format_table(r: dict) -> str:
     lines += [f"    {name:<10} {ms:9.3f} ms  {ms / total:6.1%}" for name, ms in split.items()]
     lines.append("  prefill of the whole context, synchronised run, seconds:")
     lines += [f"    {name:<16} {s:9.3f} s" for name, s in r["prefill_split_s"].items()]
+    saved = r["saved_context"]
+    lines.append(f"  context of {saved['tokens']} tokens saved ({saved['bytes'] / 1e6:.1f} MB) in "
+                 f"{saved['save_s']:.2f} s, loaded in {saved['load_s']:.2f} s")
     lines.append(f"  peak memory: GPU {gib(r['peak_gpu_bytes'])}, host {gib(r['peak_host_bytes'])}")
     return "\n".join(lines)
