@@ -119,12 +119,27 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
     return engine, tokenizer, params, model_dir, is_default
 
 
+def _check_context_files(save: str | None, load: str | None):
+    """Before anything loads: --save-context must name a file in a writable folder, --load-context a file."""
+    import os
+
+    if save is not None:
+        path = Path(save)
+        if path.is_dir():
+            raise Glm5Error(f"--save-context {save}: a folder, not a file")
+        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+            raise Glm5Error(f"--save-context {save}: the folder {path.parent} does not exist or is not writable")
+    if load is not None and not Path(load).is_file():
+        raise Glm5Error(f"--load-context {load}: not a file (missing, or a folder)")
+
+
 def cmd_generate(args):
     if args.prompt is not None:
         try:
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise Glm5Error("--prompt is not valid UTF-8") from None
+    _check_context_files(args.save_context, args.load_context)
     engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=args.prompt is not None)
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
     if args.load_context:
@@ -141,6 +156,7 @@ def cmd_generate(args):
     result = engine.generate(prompt_ids, args.max_new_tokens, params, on_token=stream)
     if stream is not None:
         stream.flush()
+        print()
     if args.save_context:
         from glm5_offload.runtime.saved_context import save_context
 
@@ -166,8 +182,6 @@ def cmd_generate(args):
         return
     if stream is None:
         print(",".join(map(str, result.output_ids)))
-    else:
-        print()
     print(f"glm5: {len(result.prompt_ids)} prompt tokens at {result.prefill_tokens_per_s:.1f} tok/s, "
           f"{len(result.output_ids)} new tokens at {result.decode_tokens_per_s:.1f} tok/s, stop: {result.stop_reason}",
           file=sys.stderr)

@@ -4,6 +4,7 @@ and /load and serve's --context-dir keep the cache too."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,16 @@ def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):
     resumed = json.loads(proc.stdout)
     assert resumed["cached_tokens"] == len(PROMPT) + 5 and f"resumed {len(PROMPT) + 5} tokens" in proc.stderr
     assert resumed["output_ids"] == json.loads(glm5(*common, "--prompt-ids", prompt).stdout)["output_ids"]
+
+
+def test_context_flags_are_checked_before_anything_loads(tmp_path):
+    for args, message in [(["--save-context", tmp_path], "a folder, not a file"),
+                          (["--save-context", tmp_path / "no" / "x.ctx"], "does not exist or is not writable"),
+                          (["--load-context", tmp_path / "missing.ctx"], "not a file \\(missing, or a folder\\)")]:
+        proc = glm5("generate", "--model", tmp_path / "no-model", "--prompt-ids", "1,2", *args, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr
+        assert re.search(message, errors[0]), errors[0]
 
 
 def test_bad_files_are_refused_and_the_engine_keeps_its_state(tiny_dir, tmp_path):
