@@ -46,11 +46,12 @@ def fill(engine: Engine, n: int):
 def disk_speeds(folder: Path, nbytes: int) -> tuple[float, float]:
     """Sequential write (to the end of an fsync) and read of one file of nbytes, in GB/s."""
     path = folder / "bench_context_disk.bin"
-    block = np.random.randint(0, 255, 64 << 20, dtype=np.uint8)
+    data = np.random.randint(0, 255, nbytes, dtype=np.uint8)  # as large as the context: written from RAM, once
+    block = np.empty(64 << 20, dtype=np.uint8)
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // block.nbytes)):
-            f.write(block)
+        for i in range(0, nbytes, block.nbytes):
+            f.write(memoryview(data)[i : i + block.nbytes])
         f.flush()
         os.fsync(f.fileno())
     write = path.stat().st_size / (time.perf_counter() - t0) / 1e9

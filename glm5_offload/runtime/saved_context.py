@@ -47,25 +47,36 @@ def _chunks(a: np.ndarray) -> list[memoryview]:
     return [flat[i : i + CHUNK] for i in range(0, len(flat), CHUNK)]
 
 
-def _crcs(a: np.ndarray) -> list[int]:
-    """The CRC-32 of each CHUNK bytes of a, computed by the pool's threads."""
-    return list(_pool.map(zlib.crc32, _chunks(a)))
+def _crcs(a: np.ndarray) -> list[str]:
+    """The CRC-32 of each CHUNK bytes of a (8 hex digits), computed by the pool's threads."""
+    return [f"{c:08x}" for c in _pool.map(zlib.crc32, _chunks(a))]
 
 
 def _write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]):
-    """A safetensors file written straight from the arrays' memory (safetensors.numpy.save_file copies each)."""
-    header, offset = {"__metadata__": metadata}, 0
-    for name, a in arrays.items():
-        header[name] = {"dtype": _HEADER_DTYPES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    """A safetensors file written straight from the arrays' memory (safetensors.numpy.save_file copies each), the
+    CRCs computed by the pool while the data is written: the header goes first with room for them, then again."""
+    crcs = {name: [_pool.submit(zlib.crc32, chunk) for chunk in _chunks(a)] for name, a in arrays.items()}
+
+    def header(crc: dict) -> bytes:
+        head, offset = {"__metadata__": {**metadata, "crc32": json.dumps(crc)}}, 0
+        for name, a in arrays.items():
+            head[name] = {"dtype": _HEADER_DTYPES[a.dtype], "shape": list(a.shape),
+                          "data_offsets": [offset, offset + a.nbytes]}
+            offset += a.nbytes
+        text = json.dumps(head, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        return struct.pack("<Q", len(text)) + text
+
+    room = header({name: ["0" * 8] * len(futures) for name, futures in crcs.items()})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(room)
         for a in arrays.values():
             for chunk in _chunks(a):
                 f.write(chunk)
+        final = header({name: [f"{future.result():08x}" for future in futures] for name, futures in crcs.items()})
+        assert len(final) == len(room)  # fixed-width CRCs: the header keeps its size
+        f.seek(0)
+        f.write(final)
         f.flush()
         os.fsync(f.fileno())
 
@@ -103,9 +114,7 @@ def save_context(engine: Engine, path: str | Path) -> int:
                 arrays[f"key_scales.{i}"] = _as_bytes(keys.scales[:n])
             else:
                 arrays[f"keys.{i}"] = _as_bytes(keys[:n])
-    crc = {name: _crcs(a) for name, a in arrays.items()}
-    metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n),
-                "identity": json.dumps(identity(engine)), "crc32": json.dumps(crc)}
+    metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n), "identity": json.dumps(identity(engine))}
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         _write_safetensors(tmp, arrays, metadata)
