@@ -26,6 +26,7 @@ from glm5_offload.benchmark import format_table, prefill_split, random_prompt, r
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
+from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 from glm5_offload.loader import load_model
 from glm5_offload.ops.experts_numba import NumbaExperts, expert_store
 from glm5_offload.rules import RuleFile, load_rules
@@ -33,7 +34,6 @@ from glm5_offload.runtime.engine import Engine
 from glm5_offload.tiny import make_tiny
 from glm5_offload.util import cache_dir
 
-import bench_experts
 import bench_peer
 
 TARGETS = ("glm-5", "glm-5.2")
@@ -193,7 +193,7 @@ def main(argv=None):
             print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} |")
     read_gb_s, rows = None, []
     if not args.prefill_only:
-        read_gb_s = bench_experts.read_bandwidth_gb_s()
+        read_gb_s = read_bandwidth_gb_s()
         rows = projection(results, measured_moe, fmt, read_gb_s, marginal)
         basis = "fixed part + one MoE layer's step per MoE layer" if marginal else "the whole step per MoE layer"
         print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read "

@@ -20,31 +20,12 @@ import time
 import numba
 import numpy as np
 import torch
-from numba import njit, prange
 
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
+from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 
 HIDDEN, INTER, TOP_K = 6144, 2048, 8
-
-
-@njit(parallel=True, nogil=True, fastmath=True, cache=True)
-def _read_sum(a):
-    total = 0.0
-    for i in prange(a.shape[0]):
-        acc = np.float32(0.0)
-        for j in range(a.shape[1]):
-            acc += a[i, j]
-        total += acc
-    return total
-
-
-def read_bandwidth_gb_s(n_bytes: int = 4 << 30) -> float:
-    """STREAM-style read: a parallel sum over n_bytes of fp32, best of 5."""
-    a = np.ones((n_bytes // 4 // 65536, 65536), np.float32)
-    _read_sum(a[:2])
-    best = min(_timed(lambda: _read_sum(a)) for _ in range(5))
-    return a.nbytes / best / 1e9
 
 
 def _timed(fn) -> float:

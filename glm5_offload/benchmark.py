@@ -11,6 +11,8 @@ MLPs, router, norms, lm_head, sampling, Python).
 A last run prefills the context afresh under a Timeline: the same parts for the prefill (the indexer shown
 apart, as a part of attention), from which bench_e2e.py projects a whole model's long prefill. That context is then
 saved to a temporary file and loaded back into the engine (runtime/saved_context.py): the file's size and the times.
+With the routed experts on the CPU, decode is measured against its host-bandwidth bound: the bytes of the experts
+one token reads (the planner's figure for the placement) at the host's read bandwidth (kernels/host_read.py).
 """
 
 import resource
@@ -20,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from .kernels.host_read import read_bandwidth_gb_s
+from .model import Experts
+from .planner import make_plan
 from .runtime.engine import Engine
 from .runtime.saved_context import load_context, save_context
 from .util import Timeline
@@ -77,6 +82,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
     split = parts(timeline, third.prefill_seconds + third.decode_seconds)  # new_tokens forwards, 1 token each
     prefill = prefill_split(engine, prompt)
     saved = saved_context_seconds(engine)
+    bound = host_bound(engine, context, again.decode_tokens_per_s)
     return {
         "model": str(Path(model.config.path).parent), "context": context, "new_tokens": new_tokens,
         "prefill_tokens_per_s": first.prefill_tokens_per_s,
@@ -90,7 +96,22 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "saved_context": saved,
+        "host_bound": bound,
     }
+
+
+def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None:
+    """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
+    measured decode's fraction of it; None where the experts are not all on the CPU."""
+    model = engine.model
+    plan = make_plan(model.config, model.placement, context, {}, dtype=model.dtype)
+    on_cpu = [s.device == "cpu" for s in model.placement.slots.values() if s.op.replaces is Experts]
+    if not on_cpu or not all(on_cpu) or not plan.active_expert_bytes:
+        return None
+    read = read_bandwidth_gb_s(1 << 30, repeats=3)
+    bound = read * 1e9 / plan.active_expert_bytes
+    return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
+            "of_bound": decode_tok_s / bound}
 
 
 def saved_context_seconds(engine: Engine) -> dict:
@@ -123,6 +144,11 @@ def format_table(r: dict) -> str:
     lines += [f"    {name:<10} {ms:9.3f} ms  {ms / total:6.1%}" for name, ms in split.items()]
     lines.append("  prefill of the whole context, synchronised run, seconds:")
     lines += [f"    {name:<16} {s:9.3f} s" for name, s in r["prefill_split_s"].items()]
+    bound = r["host_bound"]
+    if bound:
+        lines.append(f"  host-bandwidth bound: {bound['expert_bytes_per_token'] / 1e6:.1f} MB of routed experts a token "
+                     f"at {bound['host_read_gb_s']:.1f} GB/s read = {bound['bound_tok_s']:.1f} tok/s; decode is "
+                     f"{bound['of_bound']:.1%} of it")
     saved = r["saved_context"]
     lines.append(f"  context of {saved['tokens']} tokens saved ({saved['bytes'] / 1e6:.1f} MB) in "
                  f"{saved['save_s']:.2f} s, loaded in {saved['load_s']:.2f} s")

@@ -143,6 +143,9 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     assert set(prefill) == {"attention", "experts", "transfers", "other", "of which indexer"}
     assert 0 < prefill["of which indexer"] < prefill["attention"] and prefill["experts"] > 0
     assert "decode step, eager, per token" in table and "of which indexer" in table and "eager)" in table and "peak memory" in table
+    bound = r["host_bound"]  # the CPU experts' bytes a token at the host's read bandwidth
+    assert bound["expert_bytes_per_token"] > 0 and bound["host_read_gb_s"] > 0 and 0 < bound["of_bound"]
+    assert "host-bandwidth bound" in table
     saved = r["saved_context"]  # the prefilled context saved and loaded back
     assert saved["tokens"] == 40 and saved["bytes"] > 40 * 5 * 64 and saved["save_s"] > 0 and saved["load_s"] > 0
     assert "context of 40 tokens saved" in table

@@ -231,6 +231,8 @@ class NumbaExpertsOperator(ExpertsOperator):
     def packing(self, slot: Slot, dtype: torch.dtype) -> tuple[str, int]:
         """The format, and its group size: the rule's if it divides the experts' inputs (hidden and intermediate
         dims), by default the largest that does."""
+        if isinstance(slot.module, NumbaExperts):  # built: what it holds
+            return slot.module.fmt, slot.module.group
         fmt, expert = slot.kwargs["format"], slot.module[0]
         if fmt == "bf16":
             return fmt, GROUP
