@@ -74,9 +74,10 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     check_resident(tier, picks)
 
 
-def offload_rules(tmp_path, device, hot_budget, window, kv_dtype="auto", op="attention.reference"):
-    return layout_rules(tmp_path / f"offload-{kv_dtype}-{hot_budget}.yaml", device, op,
-                        f"{{kv_offload: true, hot_budget: {hot_budget}, window: {window}, kv_dtype: {kv_dtype}}}")
+def offload_rules(tmp_path, device, hot_budget, window, kv_dtype="auto", op="attention.reference", prefill_rows=4096):
+    return layout_rules(tmp_path / f"offload-{kv_dtype}-{hot_budget}-{prefill_rows}.yaml", device, op,
+                        f"{{kv_offload: true, hot_budget: {hot_budget}, window: {window}, kv_dtype: {kv_dtype}, "
+                        f"prefill_rows: {prefill_rows}}}")
 
 
 def plain_rules(tmp_path, device, kv_dtype="auto", op="attention.reference"):
@@ -128,6 +129,43 @@ def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype)
     assert isinstance(cache.index_keys[0], FP8Keys) == (kv_dtype == "fp8")  # 132 B keys go with 656 B rows
 
 
+@pytest.mark.parametrize("device", ON)
+def test_a_staging_buffer_smaller_than_the_context_reads_in_pieces(hf_checkpoint, tmp_path, device):
+    """prefill_rows 16 for a 40-token prompt chunk and a 60-token one: each chunk's queries go in pieces whose
+    selected rows fit the 16-row staging buffer, gathered from host memory; the logits equal the untiered cache's,
+    bit for bit. The hot buffer (4096 rows) holds more than the context and the window is 4 tokens: a chunk longer
+    than the window must not read the hot buffer (its own earlier rows are only in host memory: they read as
+    missing, NaN, before fits_fetch asked for it)."""
+    from glm5_offload.runtime import kv_cache
+
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    op = "attention.dsa_triton" if device == "cuda" else "attention.reference"
+    plain = load_model(path, dtype=torch.float32, rules=plain_rules(tmp_path, device, "fp8", op))
+    tiered = load_model(path, dtype=torch.float32,
+                        rules=offload_rules(tmp_path, device, 4096 * 68, 4, "fp8", op, prefill_rows=16))
+    prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(5))
+    more = torch.randint(4, 320, (60,), generator=torch.Generator().manual_seed(6))
+    pieces = []
+    original = kv_cache._query_pieces
+
+    def counted(indices, budget):
+        for piece in original(indices, budget):
+            assert piece[2].numel() <= budget
+            pieces.append(piece[:2])
+            yield piece
+
+    kv_cache._query_pieces = counted
+    try:
+        outs = []
+        for model in (plain, tiered):
+            cache = new_cache(model, 128)
+            outs.append(torch.cat([model(prompt.to(model.device), cache), model(more.to(model.device), cache)]).cpu())
+    finally:
+        kv_cache._query_pieces = original
+    assert torch.equal(outs[0], outs[1])
+    assert len(pieces) > 2 and all(b > a for a, b in pieces)  # the chunks went in several pieces
+
+
 def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):
     """Two prompts sharing a prefix: the second reuses the cached rows and still matches the untiered engine."""
     path, _ = hf_checkpoint("glm_moe_dsa")
@@ -149,6 +187,7 @@ def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):
     ("{kv_offload: 1}", "kv_offload must be true or false"),
     ("{hot_budget: lots}", "hot_budget: 'lots' is not a size"),
     ("{window: 0}", "window must be a positive number"),
+    ("{prefill_rows: 0}", "prefill_rows must be a positive number of rows"),
 ])
 def test_bad_layout_kwargs_name_the_rule(tmp_path, kwargs, message):
     refused_rule(tmp_path, "Attention", f"op: attention.reference, kwargs: {kwargs}", message)

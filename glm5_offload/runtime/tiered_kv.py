@@ -93,4 +93,6 @@ class TieredLatent:
         self.misses += miss.sum()
 
     def fits_fetch(self, indices: torch.Tensor) -> bool:
-        return 2 * indices.numel() <= self.lru
+        """Whether the queries of indices [S, K] can read the hot buffer: their misses fit the LRU part twice over, and
+        their own rows are hot (S within the window: a longer chunk reads rows of its own that only the host has)."""
+        return 2 * indices.numel() <= self.lru and indices.shape[0] <= self.window
