@@ -208,7 +208,9 @@ class Placement:
         caches: dict[tuple, list[int]] = {}
         for slot in self.slots.values():
             layer = _layer(slot.name)
-            key = (_pattern(slot.name), slot.op.name, slot.device, slot.op.format(slot, dtype), slot.rule)
+            held = slot.op.weights_device(slot)
+            device = slot.device if held == slot.device else f"{slot.device} (weights on {held})"
+            key = (_pattern(slot.name), slot.op.name, device, slot.op.format(slot, dtype), slot.rule)
             groups.setdefault(key, []).append((layer, slot))
             note = slot.op.cache_note(slot, dtype)
             if note is not None:
@@ -217,7 +219,8 @@ class Placement:
         totals: dict[str, int] = {}
         for (pattern, op, device, fmt, rule), members in groups.items():
             size = sum(s.op.weight_bytes(s, dtype) for _, s in members)
-            totals[device] = totals.get(device, 0) + size
+            held = members[0][1].op.weights_device(members[0][1])
+            totals[held] = totals.get(held, 0) + size
             rows.append((_with_layers(pattern, [i for i, _ in members if i is not None]), op, device, fmt,
                          human_bytes(size), "default" if rule is None else f"rule {rule}"))
         header = ("module", "operator", "device", "format", "weights", "placed by")

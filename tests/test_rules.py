@@ -303,3 +303,17 @@ def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_di
         assert torch.allclose(logits[name], logits["glm5-cpu.yaml"], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(logits["glm5.yaml"]).all()
     assert torch.corrcoef(torch.stack([logits["glm5.yaml"], logits["glm5-cpu.yaml"]]))[0, 1] > 0.5
+
+
+def test_rules_show_counts_weights_where_they_live():
+    """embedding.host runs for the GPU with its table in host memory: `rules show` says so and totals it on the cpu,
+    as the planner does."""
+    from glm5_offload.planner import make_plan
+    from glm5_offload.util import human_bytes
+
+    p = placement("glm-5.2", "glm5")
+    table = p.table(torch.bfloat16)
+    assert re.search(r"model\.embed_tokens +embedding\.host +cuda \(weights on cpu\) +bf16 +1\.77 GiB", table)
+    plan = make_plan(load_config("glm-5.2"), p, 4096, {})
+    cuda = next(d for d in plan.devices if d.device == "cuda")
+    assert f"total on cuda: {human_bytes(cuda.weights)}" in table

@@ -91,6 +91,10 @@ class Operator:
         """A rule's kwargs (their names already checked) with defaults filled in; Glm5Error names a bad value."""
         return dict(kwargs)
 
+    def weights_device(self, slot: Slot) -> str:
+        """Where the slot's weights live: its device (embedding.host keeps its table in host memory)."""
+        return slot.device
+
     def check(self, slot: Slot):
         """Refuse (Glm5Error) kwargs that do not suit the slot's module (a group size that does not divide it)."""
 

@@ -27,8 +27,11 @@ class HostEmbedding(nn.Embedding):
 
 
 class HostEmbeddingOperator(Operator):
+    def weights_device(self, slot: Slot) -> str:
+        return "cpu"
+
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
-        return [Buffer("cpu", "weights", self.weight_bytes(slot, ctx.dtype))]
+        return [Buffer(self.weights_device(slot), "weights", self.weight_bytes(slot, ctx.dtype))]
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
         device = torch.empty(0, device=slot.device).device  # with its index: cuda -> cuda:0, as tensors report it
