@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,8 +122,6 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
 
 def _check_context_files(save: str | None, load: str | None):
     """Before anything loads: --save-context must name a file in a writable folder, --load-context a file."""
-    import os
-
     if save is not None:
         path = Path(save)
         if path.is_dir():

@@ -34,7 +34,8 @@ HEADER_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.floa
                  "I16": torch.int16, "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32,
                  "I64": torch.int64, "U64": torch.uint64, "BOOL": torch.bool}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NUMPY = {"I8": np.int8, "U8": np.uint8, "U16": np.uint16, "I32": np.int32, "F32": np.float32}
+MAPPED_DTYPES = {  # the safetensors dtypes memory_map reads, as numpy dtypes
+    "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "I32": np.int32, "F32": np.float32}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -95,9 +96,9 @@ def memory_map(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         start, end = info["data_offsets"]
-        if info["dtype"] not in _NUMPY:
-            raise Glm5Error(f"{path}: tensor {name} has dtype {info['dtype']}, not one of {', '.join(_NUMPY)}")
-        dtype, shape = _NUMPY[info["dtype"]], tuple(info["shape"])
+        if info["dtype"] not in MAPPED_DTYPES:
+            raise Glm5Error(f"{path}: tensor {name} has dtype {info['dtype']}, not one of {', '.join(MAPPED_DTYPES)}")
+        dtype, shape = MAPPED_DTYPES[info["dtype"]], tuple(info["shape"])
         arrays[name] = (np.memmap(path, dtype=dtype, mode="r", offset=8 + n + start, shape=shape) if end > start
                         else np.zeros(shape, dtype))
     return arrays

@@ -296,6 +296,8 @@ def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1
     context_file = None
     if context_dir is not None:
         context_file = Path(context_dir) / CONTEXT_FILE
+        if Path(context_dir).exists() and not Path(context_dir).is_dir():
+            raise Glm5Error(f"--context-dir {context_dir}: not a folder")
         try:
             Path(context_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -183,3 +183,14 @@ def test_serve_keeps_its_context_across_restarts(tiny_dir, tmp_path):
         server.server_close()
     assert usages[0]["prompt_tokens"] >= 1024 and usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[0]["prompt_tokens"] - 1
+
+
+def test_a_context_dir_that_is_a_file_is_refused(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from glm5_offload.server import make_server
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(Glm5Error, match="--context-dir .*afile: not a folder"):
+        make_server(engine(tiny_dir()), AutoTokenizer.from_pretrained(str(tiny_dir())), "tiny", port=0,
+                    context_dir=tmp_path / "afile")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import check_shard, fingerprint, memory_map
+from ..checkpoint import MAPPED_DTYPES, check_shard, fingerprint, memory_map
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
 from .engine import Engine
@@ -36,8 +36,7 @@ from .tiered_kv import TieredLatent
 
 FORMAT, VERSION = "glm5-offload context", 1
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.float32}  # element size -> how the bytes are stored
-_HEADER_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.float32): "F32",
-                  np.dtype(np.int32): "I32"}
+_HEADER_DTYPES = {np.dtype(v): k for k, v in MAPPED_DTYPES.items()}  # what memory_map reads back
 CHUNK = 64 << 20  # bytes under one CRC-32
 _pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="context-crc")  # zlib frees the GIL
 
