@@ -61,9 +61,10 @@ def cmd_make_tiny(args):
     print(f"wrote a {what}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
 
 
-def _rules(args, run: bool):
-    """(rule file, device) from --rules and --device: without --rules, the default placement rules/glm5.yaml (said on
-    stderr, with why); to run it (run), on the CPU where this machine has no GPU and no --device says otherwise."""
+def _rules(args, run: bool, model_type: str):
+    """(rule file, device) from --rules and --device: without --rules, the model family's default placement
+    (rules/glm5.yaml, or glm5-flash.yaml for GLM-5.3-Flash; said on stderr, with why); to run it (run), on the CPU
+    where this machine has no GPU and no --device says otherwise."""
     import torch
 
     from glm5_offload.rules import DEFAULT_RULES, check_device, load_rules
@@ -75,9 +76,10 @@ def _rules(args, run: bool):
     device = args.device or (None if torch.cuda.is_available() or not run else "cpu")
     where = (" on the CPU: this machine has no GPU, so the GPU operators run their references (--device cpu)"
              if device == "cpu" and args.device is None else "")
-    print(f"glm5: no --rules given: the default placement {DEFAULT_RULES} (routed experts int4 on the CPU, the rest on "
-          f"the GPU in FP8, the tiered FP8 cache){where}", file=sys.stderr)
-    return load_rules(DEFAULT_RULES), device
+    default = DEFAULT_RULES[model_type]
+    print(f"glm5: no --rules given: the default placement {default} for {model_type} (routed experts int4 on the CPU, "
+          f"the rest on the GPU in FP8, the tiered FP8 cache){where}", file=sys.stderr)
+    return load_rules(default), device
 
 
 def _engine(args, tokenizer_required: bool, chat: bool = False):
@@ -95,7 +97,9 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
                         ("--prefill-chunk", args.prefill_chunk), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise Glm5Error(f"{flag} must be >= 1, got {value}")
-    rules, device = _rules(args, run=True)
+    model_dir, is_default = _model_dir(args.model)
+    config = load_config(model_dir)
+    rules, device = _rules(args, run=True, model_type=config.model_type)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     params.check()
     budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
@@ -105,8 +109,7 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
 
         torch.set_num_threads(args.cpu_threads)
         numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))
-    model_dir, is_default = _model_dir(args.model)
-    max_seq_len = args.max_seq_len or load_config(model_dir).max_position_embeddings
+    max_seq_len = args.max_seq_len or config.max_position_embeddings
     tokenizer = _tokenizer(model_dir, required=tokenizer_required)
     if chat and tokenizer.chat_template is None:
         raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
@@ -230,7 +233,7 @@ def _placement(args):
     from glm5_offload.rules import place
 
     config = load_config(args.model)
-    rules, device = _rules(args, run=False)
+    rules, device = _rules(args, run=False, model_type=config.model_type)
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, config.dtype)
     return config, place(build_model(config), rules, device), dtype
 

@@ -37,6 +37,18 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAPPED_DTYPES = {  # the safetensors dtypes memory_map reads, as numpy dtypes
     "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "I32": np.int32, "F32": np.float32}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_HYPER = re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$")  # GLM-5.3-Flash's stored names for the model's {attn,ffn}_hc.*
+
+
+def model_name(config: ModelConfig, stored: str) -> str | None:
+    """The model's name for a stored tensor; None for one the text model does not use (GLM-5.3-Flash's vision tower,
+    `model.visual.*`). The text model's prefix (`model.language_model.` in GLM-5.3-Flash's release) reads as
+    `model.`, and its hyper-connection tensors `hc_attn_fn` ... as `attn_hc.fn` ... (transformers' names)."""
+    if config.text_prefix != "model.":
+        if not stored.startswith(config.text_prefix):
+            return stored if stored.startswith("lm_head.") else None
+        stored = "model." + stored.removeprefix(config.text_prefix)
+    return _HYPER.sub(r".\1_hc.\2", stored)
 
 
 def shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
@@ -119,15 +131,20 @@ class Checkpoint:
                  aliases: dict[str, str] | None = None):
         self.model_dir, self.block, self.aliases = model_dir, config.fp8_block_size, aliases or {}
         self.located: dict[str, tuple[Path, torch.dtype, tuple]] = {}  # name -> shard, dtype, shape
+        self.stored: dict[str, str] = {}  # name -> the name in the shard (model_name's inverse)
         self._open: dict[Path, object] = {}
         n_layers, n_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
-        skipped_mtp = 0
+        skipped_mtp, skipped_other = 0, 0
         for path, listed in shard_files(model_dir).items():
             _, header = check_shard(path)
             names = set(header) - {"__metadata__"}
             if listed is not None and listed - names:
                 raise Glm5Error(f"{path}: {INDEX_FILE} lists {sorted(listed - names)[0]} but the shard lacks it")
-            for name in sorted(names if listed is None else listed):
+            for stored in sorted(names if listed is None else listed):
+                name = model_name(config, stored)
+                if name is None:
+                    skipped_other += 1
+                    continue
                 layer = _LAYER.match(name)
                 if layer and int(layer.group(1)) >= n_layers:
                     if int(layer.group(1)) >= n_layers + n_mtp:
@@ -136,13 +153,17 @@ class Checkpoint:
                                         "num_nextn_predict_layers)")
                     skipped_mtp += 1
                     continue
-                info = header[name]
+                info = header[stored]
                 self.located[name] = path, HEADER_DTYPES[info["dtype"]], tuple(info["shape"])
+                self.stored[name] = stored
                 if name not in expected and not name.endswith(".weight_scale_inv"):
-                    raise Glm5Error(f"{path}: unexpected tensor {name} (not part of this {config.model_type} model)")
+                    raise Glm5Error(f"{path}: unexpected tensor {stored} (not part of this {config.model_type} model)")
         if skipped_mtp:
             mtp = ", ".join(f"model.layers.{i}.*" for i in range(n_layers, n_layers + n_mtp))
             log.info("skipped %d tensors of the MTP layer(s) %s (not used for decoding)", skipped_mtp, mtp)
+        if skipped_other:
+            log.warning("skipped %d tensors outside the text model (the vision tower): images and video are not "
+                        "supported yet", skipped_other)
         self._check(expected)
 
     def _check(self, expected: dict[str, tuple[int, ...]]):
@@ -177,7 +198,7 @@ class Checkpoint:
         try:
             if path not in self._open:
                 self._open[path] = safe_open(path, framework="pt")
-            return self._open[path].get_tensor(name)
+            return self._open[path].get_tensor(self.stored[name])
         except SafetensorError as e:
             raise Glm5Error(f"{path}: corrupt safetensors file ({e})") from None
 

@@ -1,4 +1,4 @@
-"""Read a published config.json (glm_moe_dsa or deepseek_v32) into one checked, derived ModelConfig.
+"""Read a published config.json (glm_moe_dsa, deepseek_v32 or glm5_next) into one checked, derived ModelConfig.
 
 Every shape the engine needs comes from here; every other module trusts it. A missing or ill-typed
 field is a Glm5Error naming the file and the field.
@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .errors import Glm5Error
 
-MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "glm5_next")
+TEXT_PREFIX = {"glm5_next": "model.language_model."}  # the multimodal release's text model; "model." elsewhere
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
@@ -66,6 +67,19 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...]  # per layer: "dense" | "moe"
     dtype: str  # checkpoint dtype name: bfloat16 | float16 | float32
     fp8_block_size: tuple[int, int] | None  # (128, 128) for FP8 releases, None otherwise
+    # GLM-5.3-Flash (glm5_next); the defaults are the other families'
+    attention_types: tuple[str, ...] = ()  # per layer: "dsa" (MLA + DSA) | "kda" (Kimi Delta Attention); () = all dsa
+    linear_num_heads: int = 0  # KDA heads, each linear_head_dim wide for q, k and v
+    linear_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0  # KDA's short causal convolutions on q, k, v
+    linear_lower_bound: float | None = None  # KDA forget gate in (lower_bound, 0); None: -exp(A_log) softplus
+    index_kpool: int = 1  # tokens per indexer group: the indexer scores pooled groups and selects whole groups
+    index_select_tail: bool = False  # with groups: the query's incomplete group is always attended
+    hc_mult: int = 1  # parallel residual streams (hyper-connections); 1 = the plain residual
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    swiglu_limit: float | None = None  # SwiGLU clamps gate <= limit and up to [-limit, limit]
+    text_prefix: str = "model."  # where the text model's tensors sit in the checkpoint
 
     @property
     def latent_dim(self) -> int:
@@ -84,6 +98,13 @@ class ModelConfig:
             m = 0.1 * self.rope.mscale_all_dim * math.log(self.rope.factor) + 1.0
             scale *= m * m
         return scale
+
+    def attention_type(self, layer: int) -> str:
+        return self.attention_types[layer] if self.attention_types else "dsa"
+
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.attention_types) if t == "kda"]
 
     @property
     def full_layers(self) -> list[int]:
@@ -140,8 +161,8 @@ class _Fields:
         return value
 
 
-def _indexer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
-    """Per layer "full" (owns an indexer) or "shared" (reuses the full layer below it)."""
+def _indexer_types(f: _Fields, n_layers: int, attention: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Per layer "full" (owns an indexer) or "shared" (reuses the full layer below it); "none" for a KDA layer."""
     if f.raw.get("indexer_types") is not None:
         types = f.get("indexer_types", list)
         if len(types) != n_layers or any(t not in ("full", "shared") for t in types):
@@ -159,9 +180,23 @@ def _indexer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
         if freq < 1:
             f.fail("index_topk_freq", f"must be >= 1, got {freq}")
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
-    if types and types[0] != "full":
+    if attention:
+        types = ["none" if a == "kda" else t for a, t in zip(attention, types)]
+        for i in range(1, n_layers):  # a KDA layer in between ends the selection a shared layer would reuse
+            if types[i] == "shared" and types[i - 1] not in ("full", "shared"):
+                f.fail("indexer_types", f"layer {i} is 'shared' but layer {i - 1} has no DSA selection to share")
+    first = next((t for t in types if t != "none"), "full")
+    if first != "full":
         f.fail("indexer_types", "must start with a 'full' layer: a shared layer reuses the full layer below it")
     return tuple(types)
+
+
+def _attention_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
+    types = f.get("layer_types", list)
+    names = {"deepseek_sparse_attention": "dsa", "linear_attention": "kda"}
+    if len(types) != n_layers or any(t not in names for t in types):
+        f.fail("layer_types", f"must list 'linear_attention' or 'deepseek_sparse_attention' for each of {n_layers} layers")
+    return tuple(names[t] for t in types)
 
 
 def _mlp_layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
@@ -220,8 +255,57 @@ def _fp8_block_size(f: _Fields) -> tuple[int, int] | None:
 def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
     f = _Fields(raw, path)
     model_type = f.get("model_type", str)
+    if model_type == "glm5_next_text":  # the text model's config on its own: its tensors under "model."
+        return _parse_glm5_next(f, f, "model.")
     if model_type not in MODEL_TYPES:
-        f.fail("model_type", f"is {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+        f.fail("model_type", f"is {model_type!r}; supported: {', '.join(MODEL_TYPES)} (and glm5_next_text)")
+    if model_type == "glm5_next":
+        text = _Fields(f.get("text_config", dict), f"{path}: text_config")
+        return _parse_glm5_next(text, f, TEXT_PREFIX[model_type])
+    return _parse(f, model_type)
+
+
+def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str) -> ModelConfig:
+    """GLM-5.3-Flash: the text model of the multimodal config (text_config), or a text-only config."""
+    n_layers = f.positive("num_hidden_layers")
+    attention = _attention_types(f, n_layers)
+    if f.get("qk_rope_head_dim", int, 0) != 0:
+        f.fail("qk_rope_head_dim", "must be 0: GLM-5.3-Flash's sparse attention has no rope")
+    kpool = f.positive("index_kpool", 1)
+    topk = f.positive("index_topk")
+    if topk % kpool:
+        f.fail("index_topk", f"must be a multiple of index_kpool ({kpool}), got {topk}")
+    limit = f.get("swiglu_limit", float, None)
+    if limit is not None and limit <= 0:
+        f.fail("swiglu_limit", f"must be > 0, got {limit}")
+    lower = f.get("linear_lower_bound", float, None)
+    if lower is not None and lower >= 0:
+        f.fail("linear_lower_bound", f"must be < 0, got {lower}")
+    merged = dict(f.raw)
+    for key in ("dtype", "torch_dtype", "quantization_config", "eos_token_id"):  # the release keeps them outside
+        if merged.get(key) is None and outer.raw.get(key) is not None:
+            merged[key] = outer.raw[key]
+    merged.setdefault("num_nextn_predict_layers", 1)  # the release may store an MTP layer after the last (unused)
+    g = _Fields(merged, f.path)
+    return _parse(g, "glm5_next", extra=dict(
+        attention_types=attention,
+        linear_num_heads=f.positive("linear_num_heads"),
+        linear_head_dim=f.positive("linear_head_dim"),
+        linear_conv_kernel_dim=f.positive("linear_conv_kernel_dim"),
+        linear_lower_bound=lower,
+        index_kpool=kpool,
+        index_select_tail=f.get("index_kpool_always_select_tail", bool, False),
+        hc_mult=f.positive("hc_mult", 1),
+        hc_sinkhorn_iters=f.positive("hc_sinkhorn_iters", 20),
+        hc_eps=f.positive("hc_eps", 1e-6, kind=float),
+        swiglu_limit=limit,
+        text_prefix=prefix,
+    ))
+
+
+def _parse(f: _Fields, model_type: str, extra: dict | None = None) -> ModelConfig:
+    extra = extra or {}
+    attention = extra.get("attention_types", ())
     for field, want in (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         value = f.get(field, str, want)
         if value != want:
@@ -231,7 +315,7 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
     kv_heads = f.positive("num_key_value_heads", heads)
     if kv_heads != heads:
         f.fail("num_key_value_heads", f"must equal num_attention_heads ({heads}) for MLA, got {kv_heads}")
-    rope_dim = f.positive("qk_rope_head_dim")
+    rope_dim = f.count("qk_rope_head_dim") if attention else f.positive("qk_rope_head_dim")
     index_head_dim = f.positive("index_head_dim")
     if index_head_dim < rope_dim:
         f.fail("index_head_dim", f"must be >= qk_rope_head_dim ({rope_dim}), got {index_head_dim}")
@@ -253,7 +337,7 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
     if dtype not in DTYPES:
         f.fail("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return ModelConfig(
-        path=path,
+        path=f.path.split(": ")[0],
         model_type=model_type,
         vocab_size=f.positive("vocab_size"),
         hidden_size=f.positive("hidden_size"),
@@ -279,15 +363,16 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
         norm_topk_prob=f.get("norm_topk_prob", bool, True),
         rms_norm_eps=f.positive("rms_norm_eps", kind=float),
         max_position_embeddings=f.positive("max_position_embeddings"),
-        rope=_rope(f),
+        rope=_rope(f) if rope_dim else RopeConfig(theta=1.0, type="default"),
         rope_interleave=f.get("rope_interleave", bool, True),
         indexer_rope_interleave=f.get("indexer_rope_interleave", bool, model_type == "glm_moe_dsa"),
         tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
         eos_token_ids=tuple(eos),
-        indexer_types=_indexer_types(f, n_layers),
+        indexer_types=_indexer_types(f, n_layers, attention),
         mlp_layer_types=_mlp_layer_types(f, n_layers),
         dtype=dtype,
         fp8_block_size=_fp8_block_size(f),
+        **extra,
     )
 
 

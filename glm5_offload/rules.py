@@ -30,7 +30,8 @@ from .util import human_bytes, ranges
 
 RULE_KEYS = {"match", "replace", "recursive"}
 MATCH_KEYS = {"name", "class"}
-DEFAULT_RULES = "glm5"  # the shipped placement a user gets without --rules (rules/glm5.yaml)
+# the shipped placement a user gets without --rules, per model family (rules/glm5.yaml, rules/glm5-flash.yaml)
+DEFAULT_RULES = {"glm_moe_dsa": "glm5", "deepseek_v32": "glm5", "glm5_next": "glm5-flash"}
 REPLACE_KEYS = {"op", "device", "kwargs"}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 

@@ -126,17 +126,19 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
 
 @triton.jit
 def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K, H, rows_per_split, scale,
-                       L: tl.constexpr, R: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
+                       L: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_K: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
     # qc [S, H, L], qr [S, H, R], idx [S, K] int64 (-1 = none); latent [T, L+R] = [c | k_pe], or with FP8
     # bytes [T, L + 4L/G + 2R] = [c e4m3 | one fp32 scale per G values | k_pe bf16]. Program (s, head block,
     # split) handles the split's rows of idx[s] and writes its normalised o [split, S, H, L], lse [split, S, H].
+    # RB: R rounded up to a block (>= 16; R may be 0: GLM-5.3-Flash has no rope, its dot then adds zeros).
     s, pid_h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    lc, lr = tl.arange(0, L), tl.arange(0, R)
+    lc, lr = tl.arange(0, L), tl.arange(0, RB)
+    r_ok = lr < R
     q_c = tl.load(qc_ptr + (s * H + h[:, None]) * L + lc[None, :], mask=h_ok[:, None], other=0.0)
-    q_r = tl.load(qr_ptr + (s * H + h[:, None]) * R + lr[None, :], mask=h_ok[:, None], other=0.0)
+    q_r = tl.load(qr_ptr + (s * H + h[:, None]) * R + lr[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     if CAST:
         q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
@@ -155,11 +157,11 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K,
                          mask=ok[:, None], other=0.0)
             c = (e4m3_to_f16(c8).to(tl.float32) * (sc * 256.0)).to(q_c.dtype)
             pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
-                         mask=ok[:, None], other=0.0).to(q_r.dtype)
+                         mask=ok[:, None] & r_ok[None, :], other=0.0).to(q_r.dtype)
         else:
             row = tl.where(ok, idx, 0).to(tl.int64) * (L + R)
             c = tl.load(lat_ptr + row[:, None] + lc[None, :], mask=ok[:, None], other=0.0)
-            pe = tl.load(lat_ptr + row[:, None] + L + lr[None, :], mask=ok[:, None], other=0.0)
+            pe = tl.load(lat_ptr + row[:, None] + L + lr[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
             if CAST:
                 c, pe = c.to(tl.float32), pe.to(tl.float32)
         scores = (tl.dot(q_c, tl.trans(c), input_precision="ieee")
@@ -196,21 +198,27 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SP
 
 
 @triton.jit
-def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.constexpr, G: tl.constexpr,
-                               BLOCK_T: tl.constexpr):
+def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
+                               G: tl.constexpr, BLOCK_T: tl.constexpr):
     # FP8 rows [T, L + 4L/G + 2R] bytes -> bf16 [T, L+R]: the values _sparse_mla_kernel's FP8 path computes with
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
-    lc, lr = tl.arange(0, L), tl.arange(0, R)
+    lc, lr = tl.arange(0, L), tl.arange(0, RB)
+    r_ok = lr < R
     row = src_ptr + t.to(tl.int64) * (L + 4 * (L // G) + 2 * R)
     c8 = tl.load(row[:, None] + lc[None, :], mask=ok[:, None], other=0)  # e4m3 bytes
     sc = tl.load((row[:, None] + L + 4 * (lc[None, :] // G)).to(tl.pointer_type(tl.float32)), mask=ok[:, None],
                  other=0.0) * 256.0
     pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
-                 mask=ok[:, None], other=0.0)
+                 mask=ok[:, None] & r_ok[None, :], other=0.0)
     dst = dst_ptr + t.to(tl.int64)[:, None] * (L + R)
     tl.store(dst + lc[None, :], (e4m3_to_f16(c8).to(tl.float32) * sc).to(tl.bfloat16), mask=ok[:, None])
-    tl.store(dst + L + lr[None, :], pe, mask=ok[:, None])
+    tl.store(dst + L + lr[None, :], pe, mask=ok[:, None] & r_ok[None, :])
+
+
+def rope_block(rope_dim: int) -> int:
+    """The rope part's block width in the kernels: a power of two >= 16 (tl.dot's least), 16 for no rope."""
+    return triton.next_power_of_2(max(rope_dim, 16))
 
 
 def fp8_latent_to_bf16(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> torch.Tensor:
@@ -218,7 +226,7 @@ def fp8_latent_to_bf16(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> 
     T, L, R = rows.shape[0], kv_lora_rank, rope_dim
     out = torch.empty(T, L + R, dtype=torch.bfloat16, device=rows.device)
     block_t = 256 if INTERPRET else 16
-    _fp8_latent_to_bf16_kernel[(triton.cdiv(T, block_t),)](rows.contiguous(), out, T, L=L, R=R,
+    _fp8_latent_to_bf16_kernel[(triton.cdiv(T, block_t),)](rows.contiguous(), out, T, L=L, R=R, RB=rope_block(R),
                                                              G=latent_group(L), BLOCK_T=block_t)
     return out
 
@@ -263,7 +271,8 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     part_lse = torch.empty(splits, S, H, dtype=torch.float32, device=q_lat.device) if splits > 1 else lse[None]
     _sparse_mla_kernel[(S, head_blocks, splits)](
         q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(),
-        part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, G=G, BLOCK_H=block_h, BLOCK_K=block_k,
+        part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, RB=rope_block(R), G=G, BLOCK_H=block_h,
+        BLOCK_K=block_k,
         CAST=cast, FP8=fp8, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits), L=L)

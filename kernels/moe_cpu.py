@@ -34,10 +34,10 @@ ROW_BLOCK = 32  # weight rows per work item
 _FASTMATH = {"reassoc", "contract", "nsz"}  # reassociation lets LLVM vectorise the fp32 reductions
 
 
-def moe_reference(x, w13, w2, ids, weights, act_group: int = 0):
+def moe_reference(x, w13, w2, ids, weights, act_group: int = 0, limit: float | None = None):
     """Plain torch: x [T, H] fp32, w13 [E, 2I, H], w2 [E, H, I] fp32 (int_groups.dequantize of the packed
     weights), ids/weights [T, k] -> [T, H] fp32. act_group > 0: the inputs of both projections are
-    int8-quantised in groups of that many first."""
+    int8-quantised in groups of that many first. limit: SwiGLU's clamp (gate <= limit, |up| <= limit)."""
     out = torch.zeros_like(x)
     inter = w13.shape[1] // 2
     if act_group:
@@ -45,7 +45,10 @@ def moe_reference(x, w13, w2, ids, weights, act_group: int = 0):
     for t in range(x.shape[0]):
         for e, w in zip(ids[t].tolist(), weights[t].tolist()):
             gu = w13[e] @ x[t]
-            act = (torch.nn.functional.silu(gu[:inter]) * gu[inter:])[None]
+            gate, up = gu[:inter], gu[inter:]
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            act = (torch.nn.functional.silu(gate) * up)[None]
             out[t] += w * (w2[e] @ (quantize_activations(act, act_group) if act_group else act)[0])
     return out
 
@@ -366,12 +369,13 @@ def _group_sums(v, group):
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
 def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_ids, expert_start, gu, act, out,
-              act_int8=False):
+              act_int8=False, limit=np.inf):
     """One MoE layer's routed experts for T tokens, summed into out [T, H] (fp32, zeroed by the caller).
 
     x [T, H] fp32; pairs (token, slot) sorted by expert: pair_token [P] int32, pair_weight [P] fp32;
     expert_ids [A] int32 the active experts, expert_start [A+1] int32 their pair ranges;
     scratch gu [P, 2I], act [P, I] fp32. act_int8 (int8/int4 weights): x and act int8-quantised per group.
+    limit: SwiGLU's clamp, gate <= limit and -limit <= up <= limit (inf: none).
     """
     hidden, rows13 = x.shape[1], w13.shape[1]
     inter = rows13 // 2
@@ -392,10 +396,17 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                         pair_token, expert_start[a], expert_start[a + 1], buf, dots)
             for p in range(expert_start[a], expert_start[a + 1]):
                 gu[p, r] = dots[p]
+    lim = np.float32(limit)
     for p in prange(n_pairs):  # SiLU(gate) * up
         for i in range(inter):
-            g = gu[p, i]
-            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[p, inter + i]
+            g, u = gu[p, i], gu[p, inter + i]
+            if g > lim:  # comparisons, not min/max: a NaN stays NaN
+                g = lim
+            if u > lim:
+                u = lim
+            elif u < -lim:
+                u = -lim
+            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
     act_sums = _group_sums(act, group) if fmt == 2 and not act_int8 else np.zeros((n_pairs, 1), np.float32)
     aq = np.empty((n_pairs if act_int8 else 0, inter), np.int8)
     a_scales = np.empty((aq.shape[0], inter // group), np.float32)
@@ -428,9 +439,11 @@ def group_by_expert(ids: np.ndarray, weights: np.ndarray):
 
 
 def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-                threads: int | None = None, act_int8: bool = False, scratch: dict | None = None) -> np.ndarray:
+                threads: int | None = None, act_int8: bool = False, scratch: dict | None = None,
+                limit: float | None = None) -> np.ndarray:
     """x [T, H] fp32, ids/weights [T, k] -> routed-expert output [T, H] fp32 (numba, all cores, no GIL).
-    act_int8: int8 activations (int8/int4 weights). scratch, a dict, receives the pairs' gu and act."""
+    act_int8: int8 activations (int8/int4 weights). scratch, a dict, receives the pairs' gu and act. limit: SwiGLU's
+    clamp (GLM-5.3-Flash's swiglu_limit)."""
     if act_int8 and fmt == "bf16":
         raise ValueError("int8 activations need int8 or int4 weights")
     if threads:
@@ -444,7 +457,7 @@ def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.n
     s13 = s13 if s13.ndim == 3 else np.zeros((1, 1, 1), np.float32)
     s2 = s2 if s2.ndim == 3 else np.zeros((1, 1, 1), np.float32)
     moe_layer(FORMAT_CODES[fmt], group, w13, s13, w2, s2, x, pair_token, pair_weight, experts, start, gu, act, out,
-              act_int8)
+              act_int8, np.inf if limit is None else float(limit))
     if scratch is not None:
         scratch.update(gu=gu, act=act, pair_token=pair_token, pair_weight=pair_weight, experts=experts, start=start)
     return out

@@ -19,6 +19,44 @@ COMMON = dict(
 )
 
 
+# GLM-5.3-Flash (glm5_next) at small dims: KDA layers and NoPE DSA layers, hyper-connections of 4 streams.
+NEXT = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48,
+    qk_rope_head_dim=0, qk_nope_head_dim=32, qk_head_dim=32, v_head_dim=32, index_topk=8, index_head_dim=32,
+    index_n_heads=16, linear_num_heads=4, linear_head_dim=16, max_position_embeddings=512, initializer_range=0.1,
+    routed_scaling_factor=2.5, swiglu_limit=0.5, eos_token_id=[2, 3], pad_token_id=0,
+)
+NEXT_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                   projection_intermediate_size=64)
+# 4 layers: 3 KDA, 1 DSA; 8 layers: a full DSA layer with an IndexShare layer above it, and one more
+NEXT_LAYERS = {4: (["linear_attention"] * 3 + ["deepseek_sparse_attention"], ["full"] * 4),
+               8: (["linear_attention", "linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention",
+                    "linear_attention", "linear_attention", "linear_attention", "deepseek_sparse_attention"],
+                   ["full", "full", "full", "shared", "full", "full", "full", "full"])}
+
+
+def build_hf_next(layers: int = 4, kpool: int = 2, seed: int = 0):
+    """A randomly initialised transformers Glm5NextForConditionalGeneration (fp32), its text model at NEXT dims."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    torch.manual_seed(seed)
+    layer_types, indexer_types = NEXT_LAYERS[layers]
+    text = dict(NEXT, num_hidden_layers=layers, layer_types=layer_types, indexer_types=indexer_types,
+                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), index_kpool=kpool)
+    model = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=text, vision_config=NEXT_VISION))
+    _randomize_norms_and_bias(model)
+    with torch.no_grad():  # transformers initialises these to constants: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("index_kpool_compress_ape", "hc.base", "forget_gate.A_log")):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("index_kpool_compress_gate"):
+                p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
+            elif name.endswith("hc.scale"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
 def _randomize_norms_and_bias(model):
     """Non-trivial RMSNorm / LayerNorm weights, LayerNorm biases and router correction biases."""
     with torch.no_grad():
@@ -50,6 +88,22 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
         model = DeepseekV32ForCausalLM(config)
     _randomize_norms_and_bias(model)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_next(tmp_path_factory):
+    """layers, kpool -> (directory written by save_pretrained, the transformers Glm5NextForConditionalGeneration)."""
+    made = {}
+
+    def make(layers: int = 4, kpool: int = 2):
+        if (layers, kpool) not in made:
+            model = build_hf_next(layers, kpool)
+            path = tmp_path_factory.mktemp(f"hf-next-{layers}-{kpool}")
+            model.save_pretrained(path, max_shard_size="200KB")
+            made[layers, kpool] = path, model
+        return made[layers, kpool]
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,12 @@ def test_sparse_mla_fp8_rows(L, splits, S):
     check_mla(S, 16, L, 16, 200, 70, torch.bfloat16, seed=L + S, splits=splits, fp8=True)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sparse_mla_without_rope(fp8):
+    """GLM-5.3-Flash's rows are the latent alone (qk_rope_head_dim 0)."""
+    check_mla(3, 16, 128, 0, 200, 70, torch.bfloat16, seed=11, splits=2, fp8=fp8)
+
+
 def test_fp8_rows_convert_to_their_bf16_values():
     rows = torch.randn(300, 512 + 64, generator=torch.Generator().manual_seed(9)) * 3
     packed = quantize_latent(rows, 512).to(DEVICE)

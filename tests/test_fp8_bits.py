@@ -81,12 +81,16 @@ KERNELS = [
      dict(H=32, D=128, BLOCK_S=8, BLOCK_T=128, KEY_BLOCKS=4, CAST=False, FP8=True)),
     (d._sparse_mla_kernel, {"qc_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*u8", "idx_ptr": "*i64",
                             "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32", "K": "i32", "H": "i32",
-                            "rows_per_split": "i32", "scale": "fp32", **K("L R G BLOCK_H BLOCK_K CAST FP8")},
-     dict(L=512, R=64, G=128, BLOCK_H=16, BLOCK_K=64, CAST=False, FP8=True)),
+                            "rows_per_split": "i32", "scale": "fp32", **K("L R RB G BLOCK_H BLOCK_K CAST FP8")},
+     dict(L=512, R=64, RB=64, G=128, BLOCK_H=16, BLOCK_K=64, CAST=False, FP8=True)),
+    (d._sparse_mla_kernel, {"qc_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*u8", "idx_ptr": "*i64",  # no rope
+                            "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32", "K": "i32", "H": "i32",
+                            "rows_per_split": "i32", "scale": "fp32", **K("L R RB G BLOCK_H BLOCK_K CAST FP8")},
+     dict(L=512, R=0, RB=16, G=128, BLOCK_H=16, BLOCK_K=64, CAST=False, FP8=True)),
     (d._combine_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
                          "SH": "i32", "splits": "i32", **K("SPLITS L")}, dict(SPLITS=8, L=512)),
-    (d._fp8_latent_to_bf16_kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "T": "i32", **K("L R G BLOCK_T")},
-     dict(L=512, R=64, G=128, BLOCK_T=16)),
+    (d._fp8_latent_to_bf16_kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "T": "i32", **K("L R RB G BLOCK_T")},
+     dict(L=512, R=64, RB=64, G=128, BLOCK_T=16)),
     (e._dequantize_kernel, {"values_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
                             "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
@@ -112,4 +116,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "12 kernels" in proc.stdout
+    assert "13 kernels" in proc.stdout

@@ -240,7 +240,7 @@ BAD = {
     "unknown_class": ("- match: {class: Expert}\n  replace: {device: cpu}\n", "rule 1: unknown class 'Expert'"),
     "no_match": ("- replace: {device: cpu}\n", "rule 1: a rule needs 'match' and 'replace'"),
     "unknown_family": ("- default: {device: cpu, models: [glm6]}\n- match: {class: Experts}\n  replace: {device: cpu}\n",
-                       "rule 1 (default): models must list model families among glm_moe_dsa, deepseek_v32, got ['glm6']"),
+                       "rule 1 (default): models must list model families among glm_moe_dsa, deepseek_v32, glm5_next, got ['glm6']"),
     "families_not_a_list": ("- default: {device: cpu, models: glm_moe_dsa}\n- match: {class: Experts}\n  replace: {device: cpu}\n",
                             "rule 1 (default): models must list model families"),
 }

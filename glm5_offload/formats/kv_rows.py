@@ -64,7 +64,10 @@ class FP8Keys:
 
 
 def key_bytes(config: ModelConfig, form: str) -> int:
-    """One token's indexer key in one full layer: FP8 132 B (e4m3 + one fp32 scale), bf16 256 B."""
+    """One token's indexer key in one full layer: FP8 132 B (e4m3 + one fp32 scale), bf16 256 B. GLM-5.3-Flash keeps
+    one key per group of index_kpool tokens, in bf16 whatever the form (16 B per token)."""
+    if config.model_type == "glm5_next":
+        return -(-config.index_head_dim * 2 // config.index_kpool)
     if form == "fp8":
         return config.index_head_dim + 4
     return config.index_head_dim * ELEMENT_BYTES[form]

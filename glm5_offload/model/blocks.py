@@ -13,7 +13,8 @@ from ..config import ModelConfig
 from ..util import span
 from .steps import CUT, HostStep, Pass
 
-FP32_WEIGHTS = ("e_score_correction_bias", "weights_proj.weight")  # as the releases store them, whatever the dtype
+# as the releases store them, whatever the dtype (KDA's convolution taps and gate parameters too)
+FP32_WEIGHTS = ("e_score_correction_bias", "weights_proj.weight", "conv1d.weight", ".dt_bias", ".A_log")
 
 
 def keeps_fp32(name: str) -> bool:
@@ -52,17 +53,25 @@ class LMHead(Linear):
     """The output projection hidden -> vocab (its own class so a rule can place it by class)."""
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """silu(gate) * up; with a limit (GLM-5.3-Flash's swiglu_limit) gate <= limit and -limit <= up <= limit first."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers, each routed expert and the shared expert."""
 
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, limit: float | None = None):
         super().__init__()
         self.gate_proj = Linear(hidden, inner)
         self.up_proj = Linear(hidden, inner)
         self.down_proj = Linear(inner, hidden)
+        self.limit = limit
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
 class Router(nn.Module):
@@ -100,7 +109,9 @@ class Experts(nn.ModuleList):
     and starts streaming its weights to the GPU when told a long chunk begins (prepare)."""
 
     def __init__(self, config: ModelConfig):
-        super().__init__(MLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
+        super().__init__(MLP(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
+                         for _ in range(config.n_routed_experts))
+        self.limit = config.swiglu_limit
 
     def prepare(self, tokens: int, device: torch.device):
         """A forward of `tokens` tokens on `device` starts (nothing to get ready here)."""
@@ -131,17 +142,18 @@ class MoE(nn.Module):
         self.gate = Router(config)
         self.experts = Experts(config)
         self.shared_experts = (
-            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.swiglu_limit)
             if config.n_shared_experts
             else None
         )
 
-    def steps(self, norm: nn.Module) -> list:
-        """x += MoE(norm(x)) as steps on a Pass: the routing, whose input starts on its way to the experts (CPU
-        experts: to the host); the shared expert, queued meanwhile; the experts' host work; their sum."""
+    def steps(self, enter, leave) -> list:
+        """x <- leave(s, MoE(enter(s))) as steps on a Pass (enter: the block's input, e.g. norm(s.x); leave: the new
+        residual stream from the output, e.g. s.x + out): the routing, whose input starts on its way to the experts
+        (CPU experts: to the host); the shared expert, queued meanwhile; the experts' host work; their sum."""
 
         def route(s: Pass):
-            s.moe_x = norm(s.x)
+            s.moe_x = enter(s)
             ids, weights = self.gate(s.moe_x)
             s.routed = self.experts.begin(s.moe_x, ids, weights)
 
@@ -150,7 +162,7 @@ class MoE(nn.Module):
 
         def combine(s: Pass):
             out = self.experts.finish(s.routed).to(s.x.device)
-            s.x = s.x + (out if self.shared_experts is None else out + s.shared.to(s.x.device))
+            s.x = leave(s, out if self.shared_experts is None else out + s.shared.to(s.x.device))
 
         host = HostStep(lambda s: self.experts.host(s.routed))
         return [route, CUT, shared, host, combine] if self.shared_experts is not None else [route, CUT, host, combine]

@@ -36,7 +36,9 @@ class DecoderLayer(nn.Module):
         def dense(s: Pass):
             s.x = s.x + self.mlp(self.post_attention_layernorm(s.x)).to(s.x.device)
 
-        return [attend] + (self.mlp.steps(self.post_attention_layernorm) if isinstance(self.mlp, MoE) else [dense])
+        if not isinstance(self.mlp, MoE):
+            return [attend, dense]
+        return [attend] + self.mlp.steps(lambda s: self.post_attention_layernorm(s.x), lambda s, out: s.x + out)
 
 
 class Backbone(nn.Module):
@@ -50,10 +52,12 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    backbone = Backbone
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = self.backbone(config)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         with torch.device("cpu"):
             self.inv_freq, self.rope_scaling = inv_freq_and_scaling(config)
@@ -63,7 +67,7 @@ class CausalLM(nn.Module):
             if kind == "full":
                 full = i
                 self.shared_after[full] = []
-            else:
+            elif kind == "shared":
                 self.shared_after[full].append(i)
 
     @property
@@ -93,11 +97,6 @@ class CausalLM(nn.Module):
                 self._inv_freq_on[s.positions.device] = self.inv_freq.to(s.positions.device)
             s.cos, s.sin = cos_sin(self._inv_freq_on[s.positions.device], self.rope_scaling, s.positions)
 
-        def prefetch(shared_layers):
-            def run(s: Pass):  # the shared layers' rows move in meanwhile (tiered cache), overlapped with the layers
-                s.cache.prefetch(shared_layers, s.indices, s.positions)
-            return run
-
         def head(s: Pass):
             x = s.x[-1:] if s.last_only else s.x
             s.logits = self.lm_head(self.model.norm(x)).float()
@@ -106,8 +105,15 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             steps += layer.steps()
             if self.shared_after.get(layer.self_attn.layer):
-                steps.append(prefetch(self.shared_after[layer.self_attn.layer]))
+                steps.append(self.prefetch(self.shared_after[layer.self_attn.layer]))
         return steps + [head]
+
+    @staticmethod
+    def prefetch(shared_layers: list[int]):
+        """A step: the shared layers' rows move in meanwhile (tiered cache), overlapped with the layers between."""
+        def run(s: Pass):
+            s.cache.prefetch(shared_layers, s.indices, s.positions)
+        return run
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache, logits_for: str = "all") -> torch.Tensor:
@@ -122,9 +128,3 @@ class CausalLM(nn.Module):
         run_steps(self.steps(), s)
         cache.length = start + S
         return s.logits
-
-
-def build_model(config: ModelConfig) -> CausalLM:
-    """The module tree on the meta device: shapes and names only, no memory."""
-    with torch.device("meta"):
-        return CausalLM(config)

@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..formats.kv_rows import FP8Keys, dequantize_keys, dequantize_latent, quantize_keys
 from ..util import span
 from .blocks import Linear, RMSNorm
+from .pooled_indexer import PooledIndexer
 from .rope import apply_rope
 
 SCORE_BUDGET = 1 << 26  # queries per chunk are bounded so that heads x queries x keys scores stay near this many
@@ -153,7 +154,8 @@ class Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
-        self.indexer = Indexer(config) if config.indexer_types[layer] == "full" else None
+        indexer = PooledIndexer if config.model_type == "glm5_next" else Indexer
+        self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
 
     def attend(self, q_lat, q_pe, latent, indices):
@@ -172,8 +174,9 @@ class Attention(nn.Module):
         q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
-        k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
+        if self.rope_dim:  # GLM-5.3-Flash's has none
+            q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
+            k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
         cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:

@@ -8,7 +8,7 @@ and quantised by one kernel straight into the cache rows.
 
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton
-from ..model import SCORE_BUDGET, Attention, Indexer, Linear
+from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
 
 DEVICES = ("cuda", "cpu") if INTERPRET else ("cuda",)  # the CPU only in Triton's interpreter (the tests)
@@ -39,7 +39,7 @@ class TritonAttention(Attention):
 
 OPERATORS = (
     AttentionOperator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
-                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, Linear), devices=DEVICES, module_class=TritonAttention),
+                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES, module_class=TritonAttention),
     IndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores in a Triton kernel, torch.topk",
                     delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
 )

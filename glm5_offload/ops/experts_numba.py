@@ -22,7 +22,7 @@ from ..disk_store import DiskStore
 from ..errors import Glm5Error
 from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
 from ..kernels import experts_triton, moe_cpu
-from ..model import Experts
+from ..model import Experts, swiglu
 from ..util import cache_dir, is_positive_int, span, sync
 from .base import Buffer, BuildContext, PlanContext, Slot
 from .expert_ring import DEPTH, ExpertRing
@@ -62,8 +62,10 @@ class NumbaExperts(nn.Module):
     """Drop-in for Experts: forward(x, ids, weights), and begin / host / finish for overlap with the GPU."""
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
-                 act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH):
+                 act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH,
+                 limit: float | None = None):
         super().__init__()
+        self.limit = limit  # SwiGLU's clamp (GLM-5.3-Flash)
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
         self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
@@ -76,7 +78,7 @@ class NumbaExperts(nn.Module):
 
     def _compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return moe_cpu.moe_forward(self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x, ids, weights,
-                                   threads=self.threads, act_int8=self.act_int8)
+                                   threads=self.threads, act_int8=self.act_int8, limit=self.limit)
 
     def _packed(self) -> dict[str, np.ndarray]:
         names = ("w13", "w2") if self.fmt == "bf16" else ("w13", "s13", "w2", "s2")  # bf16 has no scales
@@ -139,7 +141,7 @@ class NumbaExperts(nn.Module):
                     continue
                 a, b = starts[e], starts[e + 1]
                 gu = x[rows[a:b]] @ self._matrix(packed, "w13", x.dtype).T
-                act = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+                act = swiglu(gu[:, :inter], gu[:, inter:], self.limit)
                 y = act @ self._matrix(packed, "w2", x.dtype).T
                 out.index_add_(0, rows[a:b], pair_weights[a:b] * y)
             if self.next_layer is not None and x.is_cuda:  # its transfers start as the matmuls above release slots
@@ -264,7 +266,7 @@ class NumbaExpertsOperator(ExpertsOperator):
         if arrays is None:
             arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group))
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
-                            k["gpu_tokens"], k["gpu_ring"])
+                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit)
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)

@@ -12,7 +12,9 @@ from ..errors import Glm5Error
 from ..formats import dtype_name
 from ..formats.int_groups import BITS, GROUP, describe, nbytes
 from ..formats.kv_rows import key_bytes, latent_row_bytes
-from ..model import MLP, SCORE_BUDGET, Attention, Experts, Indexer, LatentLayout, Linear, LMHead, RMSNorm, Router
+from ..model import (KDA, MLP, SCORE_BUDGET, Attention, Experts, HyperConnection, Indexer, LatentLayout, Linear,
+                     LMHead, PooledIndexer, RMSNorm, Router)
+from ..model.kda import CHUNK
 from ..util import human_bytes, is_positive_int, parse_size
 from .base import Buffer, BuildContext, Operator, PlanContext, Slot
 
@@ -100,6 +102,24 @@ class IndexerOperator(Operator):
         return super().memory(slot, ctx) + [Buffer(slot.device, "workspace", 3 * SCORE_BUDGET * TEMPORARY_BYTES)]
 
 
+class KDAOperator(Operator):
+    """Kimi Delta Attention: its state lives on its device, fixed-size, twice (the state and the engine's resume
+    point)."""
+
+    def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
+        """Weights; the recurrent state [H, D, D] fp32 and conv inputs [K-1, 3HD], twice; a prefill chunk's
+        [H, 64, 64, D] fp32 gate differences (the chunked reference), counted once."""
+        c = ctx.config
+        H, D = c.linear_num_heads, c.linear_head_dim
+        state = H * D * D * 4 + (c.linear_conv_kernel_dim - 1) * 3 * H * D * ctx.dtype.itemsize
+        return super().memory(slot, ctx) + [
+            Buffer(slot.device, "latent_kv", 2 * state, note=f"KDA state {human_bytes(state)}/layer (+ resume point)"),
+            Buffer(slot.device, "workspace", 2 * H * CHUNK * CHUNK * D * TEMPORARY_BYTES, shared=("KDA chunk",))]
+
+    def cache_note(self, slot: Slot, dtype: torch.dtype) -> tuple[str, str]:
+        return "KDA state", f"fp32 recurrent state on {slot.device}, fixed size"
+
+
 class ExpertsOperator(Operator):
     """Routed experts: the format they are held in decides their bytes and what a decode token reads of them."""
 
@@ -136,9 +156,15 @@ OPERATORS = (
     Operator("linear.reference", Linear, "x W^T with W in the compute dtype (attention, indexer and MLP projections)"),
     AttentionOperator("attention.reference", Attention,
                       "MLA in absorbed latent form over the DSA-selected rows (plain torch)",
-                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, Linear)),
+                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear)),
     IndexerOperator("indexer.reference", Indexer, "lightning indexer: scores, causal mask, top-k (plain torch)",
                     delegates=(Linear,)),
+    IndexerOperator("pooled_indexer.reference", PooledIndexer,
+                    "GLM-5.3-Flash's indexer: keys pooled per group of tokens, whole groups selected (plain torch)",
+                    delegates=(Linear,)),
+    KDAOperator("kda.reference", KDA, "Kimi Delta Attention: convolutions, gates, the delta-rule recurrence (plain "
+                "torch; chunked for prefill)", delegates=(Linear,)),
+    Operator("hyper_connection.reference", HyperConnection, "mixes the residual streams around a sublayer (mHC)"),
     Operator("mlp.reference", MLP, "SwiGLU MLP: dense layers and the shared expert", delegates=(Linear,)),
     Operator("router.reference", Router, "sigmoid router, correction bias, group-limited top-k"),
     ExpertsOperator("experts.reference", Experts, "routed SwiGLU experts, one loop over the chosen experts"),

@@ -106,7 +106,7 @@ class Engine:
         """Forget the cached context."""
         self.cache_ids = []
         if self.cache is not None:
-            self.cache.length = 0
+            self.cache.rewind(0)
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ids to the cache; the last one's logits [vocab]."""
@@ -154,16 +154,22 @@ class Engine:
             generator = torch.Generator().manual_seed(params.seed)
         if self.cache is None:
             self.cache = new_cache(self.model, self.max_seq_len)
-        # keep the cached prefix the prompt shares (at least one prompt token is run, for its logits)
+        # keep the cached prefix the prompt shares (at least one prompt token is run, for its logits; a model with
+        # KDA layers resumes at the cache's end or at its resume point, marked before the prompt's last token)
         del self.cache_ids[self.cache.length :]
-        keep = min(common_prefix(self.cache_ids, prompt_ids), len(prompt_ids) - 1)
+        keep = self.cache.rewind(min(common_prefix(self.cache_ids, prompt_ids), len(prompt_ids) - 1))
         del self.cache_ids[keep:]
-        self.cache.length = keep
         result = GenerationResult(prompt_ids=list(prompt_ids), reused_tokens=keep)
         device = self.model.device
 
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids[keep:])
+        if self.cache.kda:
+            if keep < len(prompt_ids) - 1:
+                self.prefill(prompt_ids[keep:-1])
+            self.cache.mark_resume_point()
+            logits = self._feed(prompt_ids[-1:])
+        else:
+            logits = self.prefill(prompt_ids[keep:])
         sync(device)
         result.prefill_seconds = time.perf_counter() - t0
 

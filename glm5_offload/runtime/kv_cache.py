@@ -1,9 +1,14 @@
-"""The KV cache of one sequence: per layer its latent rows, per full (indexer-owning) layer its indexer keys, in the
-forms of formats/kv_rows.py, where each layer's LatentLayout (set by its attention operator) puts them.
+"""The KV cache of one sequence: per DSA layer its latent rows, per full (indexer-owning) layer its indexer keys, in
+the forms of formats/kv_rows.py, where each layer's LatentLayout (set by its attention operator) puts them; per KDA
+layer (GLM-5.3-Flash) its recurrent state.
 
 A layer's latent rows live on its attention's device, or (offload) in pinned host memory with a hot buffer on the
-device (tiered_kv.py). Indexer keys live on the indexer's device, as a tensor in the model's dtype or as FP8Keys.
-Shared layers keep none.
+device (tiered_kv.py). Indexer keys live on the indexer's device, as a tensor in the model's dtype, as FP8Keys, or
+(GLM-5.3-Flash's pooled indexer) as PooledKeys. Shared layers keep none.
+
+Rows can be rewound (a chat's next turn keeps the common prefix); a KDA state cannot. A cache with KDA layers keeps
+one resume point besides its end: the state after a prompt's last-but-one token (Engine.generate marks it), from
+which the next prompt that repeats the last one resumes.
 """
 
 import torch
@@ -12,23 +17,29 @@ from ..config import ModelConfig
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
 from ..kernels.gather_rows import gather_rows
-from ..model import CausalLM, LatentLayout
+from ..model import KDA, CausalLM, KDAState, LatentLayout, PooledKeys
 from .tiered_kv import TieredLatent
 
 
 def new_cache(model: CausalLM, max_seq_len: int) -> "KVCache":
     """An empty cache for max_seq_len tokens laid out as the model's attention operators say."""
-    return KVCache(model.config, max_seq_len, [layer.self_attn.latent_layout for layer in model.model.layers],
-                   model.dtype)
+    attention = [layer.self_attn for layer in model.model.layers]
+    return KVCache(model.config, max_seq_len, [None if isinstance(a, KDA) else a.latent_layout for a in attention],
+                   model.dtype, {a.layer: a.A_log.device for a in attention if isinstance(a, KDA)})
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, max_seq_len: int, layouts: list[LatentLayout], dtype: torch.dtype):
-        """layouts: one per layer; dtype: the model's (latent rows and indexer keys not in FP8 are kept in it)."""
+    def __init__(self, config: ModelConfig, max_seq_len: int, layouts: list[LatentLayout | None], dtype: torch.dtype,
+                 kda_devices: dict[int, torch.device] | None = None):
+        """layouts: one per layer (None for a KDA layer); dtype: the model's (latent rows and indexer keys not in FP8
+        are kept in it); kda_devices: each KDA layer's state's device."""
         self.max_seq_len, self.kv_lora_rank, self.layouts = max_seq_len, config.kv_lora_rank, layouts
-        self.latent: list[torch.Tensor | TieredLatent] = []
+        self.latent: list[torch.Tensor | TieredLatent | None] = []
         staging_rows = {}  # (device, row dtype) -> (width, rows) of the prefill staging buffer offloaded layers share
         for layout in layouts:
+            if layout is None:
+                self.latent.append(None)
+                continue
             device = layout.device
             width = fp8_row_width(config.kv_lora_rank, config.qk_rope_head_dim) if layout.fp8 else config.latent_dim
             row_dtype = torch.uint8 if layout.fp8 else dtype
@@ -50,10 +61,12 @@ class KVCache:
                         for key, (width, rows) in staging_rows.items()}
         self.index_keys: dict[int, torch.Tensor | FP8Keys] = {}
         for i, layout in enumerate(layouts):
-            d = layout.index_device
+            d = None if layout is None else layout.index_device
             if d is None:
                 continue
-            if layout.fp8:
+            if config.model_type == "glm5_next":  # one key per group of index_kpool tokens: kept in the model's dtype
+                self.index_keys[i] = PooledKeys.empty(config, max_seq_len, d, dtype)
+            elif layout.fp8:
                 self.index_keys[i] = FP8Keys(
                     torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=torch.float8_e4m3fn),
                     torch.empty(max_seq_len, device=d, dtype=torch.float32))
@@ -61,7 +74,40 @@ class KVCache:
                 self.index_keys[i] = torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype)
         self.prefetched: dict[int, torch.cuda.Event | None] = {}  # offloaded layer -> its pending prefetch
         self.side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.kda = {i: KDAState(config, device, dtype) for i, device in (kda_devices or {}).items()}
+        self.resume_point: tuple[int, dict[str, torch.Tensor]] | None = None  # (length, copies of the states)
         self.length = 0  # tokens whose rows are written in every layer
+
+    def states(self) -> dict[str, torch.Tensor]:
+        """The fixed-size state a length of rows does not say: KDA states, the pooled indexers' current groups."""
+        states = {f"kda.{i}.{name}": t for i, kda in self.kda.items() for name, t in kda.tensors().items()}
+        for i, keys in self.index_keys.items():
+            if isinstance(keys, PooledKeys):
+                states[f"tail_keys.{i}"], states[f"tail_gates.{i}"] = keys.tail_keys, keys.tail_gates
+        return states
+
+    def mark_resume_point(self):
+        """Keep the state at the current length: a later rewind to it (or past it) resumes there."""
+        if self.kda:
+            self.resume_point = self.length, {name: t.clone() for name, t in self.states().items()}
+
+    def rewind(self, keep: int) -> int:
+        """Keep at most the first `keep` tokens: rows rewind anywhere; with KDA layers only to the end, the resume
+        point or 0 (states cleared). The tokens kept."""
+        if self.kda and keep < self.length:
+            point = self.resume_point
+            if point is not None and point[0] <= keep:
+                keep = point[0]
+                for name, t in self.states().items():
+                    t.copy_(point[1][name])
+            else:
+                keep = 0
+                for t in self.states().values():
+                    t.zero_()
+        self.length = min(keep, self.length)
+        if self.resume_point is not None and self.resume_point[0] > self.length:
+            self.resume_point = None  # its rows will be overwritten
+        return self.length
 
     def begin_pass(self, n_new: int):
         """Before a forward of n_new tokens at positions length..: refuse what would not fit, and reset the hot
@@ -71,7 +117,7 @@ class KVCache:
                 f"context of {self.length + n_new} tokens exceeds max_seq_len {self.max_seq_len}"
             )
         for rows_store in self.latent:
-            if isinstance(rows_store, TieredLatent):
+            if isinstance(rows_store, TieredLatent):  # (None: a KDA layer)
                 if rows_store.end != self.length:
                     rows_store.reset(self.length)
                 rows_store.end = self.length + n_new

@@ -1,0 +1,163 @@
+"""GLM-5.3-Flash (glm5_next): its config, KDA, the pooled indexer, and token-exact parity with transformers'
+Glm5NextForConditionalGeneration on checkpoints transformers saved (fp32, CPU)."""
+
+import json
+
+import pytest
+import torch
+
+from glm5_offload.config import load_config, parse_config
+from glm5_offload.errors import Glm5Error
+from glm5_offload.loader import load_model
+from glm5_offload.model.kda import kda_chunked, kda_recurrent, l2_normalise
+from glm5_offload.model.pooled_indexer import PooledKeys, pool
+from glm5_offload.runtime.engine import Engine
+from glm5_offload.runtime.kv_cache import new_cache
+
+from conftest import rel_err
+
+PROMPT_LEN = 28  # > index_topk (8): whole groups are selected sparsely
+CASES = [(4, 2), (4, 4), (8, 2), (8, 4)]  # (layers, index_kpool)
+
+
+def prompt(seed=1, n=PROMPT_LEN):
+    return torch.randint(4, 320, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def max_rel_err(ours, theirs):
+    return max(rel_err(ours[i], theirs[i]) for i in range(theirs.shape[0]))
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids, n: int) -> list[int]:
+    """transformers' own greedy decode, token by token from its cache (no logits processors: generate's
+    min_new_tokens would ban the eos ids, which this engine, told to ignore them, may pick)."""
+    out = hf(ids[None], use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    while len(tokens) < n:
+        out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def test_preset_is_the_published_shape():
+    c = load_config("glm-5.3-flash")
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.n_routed_experts) == ("glm5_next", 45, 4096, 288)
+    assert c.attention_types.count("kda") == 34 and c.kda_layers[:4] == [0, 1, 2, 4]
+    assert c.full_layers == [i for i in range(45) if i % 4 == 3]
+    assert (c.index_kpool, c.index_select_tail, c.hc_mult, c.swiglu_limit) == (16, True, 4, 10.0)
+    assert (c.latent_dim, c.qk_rope_head_dim, c.text_prefix) == (512, 0, "model.language_model.")
+    assert c.mlp_layer_types[:4] == ("dense", "dense", "dense", "moe")
+
+
+def test_text_only_config_reads_under_model_prefix():
+    raw = json.loads(open(load_config("glm-5.3-flash").path).read())
+    flat = parse_config(raw["text_config"], "text.json")
+    assert flat.text_prefix == "model." and flat.attention_types == load_config("glm-5.3-flash").attention_types
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["linear_attention"] * 44 + ["mamba"]}, "layer_types"),
+    ({"qk_rope_head_dim": 64}, "qk_rope_head_dim"),
+    ({"index_topk": 2050}, "index_topk"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"indexer_types": ["full"] * 3 + ["shared"] + ["full"] * 41}, "layer 3 is 'shared'"),
+])
+def test_bad_fields_are_named(change, message):
+    raw = json.loads(open(load_config("glm-5.3-flash").path).read())
+    raw["text_config"].update(change)
+    with pytest.raises(Glm5Error, match=message) as e:
+        parse_config(raw, "flash.json")
+    assert "flash.json: text_config" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_chunked_kda_equals_the_recurrence(length):
+    g = torch.Generator().manual_seed(length)
+    H, Dk, Dv = 3, 16, 8
+    q = l2_normalise(torch.randn(length, H, Dk, generator=g)) * Dk**-0.5
+    k = l2_normalise(torch.randn(length, H, Dk, generator=g))
+    v = torch.randn(length, H, Dv, generator=g)
+    gate = -5 * torch.rand(length, H, Dk, generator=g)  # log decay in (-5, 0), as the lower bound makes it
+    beta = torch.rand(length, H, generator=g)
+    state = torch.randn(H, Dk, Dv, generator=g)
+    o_ref, s_ref = kda_recurrent(q, k, v, gate, beta, state)
+    o, s = kda_chunked(q, k, v, gate, beta, state, chunk=64)
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("kpool", [2, 4])
+def test_pooled_keys_written_token_by_token_equal_those_written_at_once(hf_next, kpool):
+    path, _ = hf_next(4, kpool)
+    model = load_model(path, dtype=torch.float32)
+    indexer = model.model.layers[3].self_attn.indexer
+    n, D = 23, indexer.head_dim
+    g = torch.Generator().manual_seed(kpool)
+    k, gates = torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+    at_once, by_token = (PooledKeys.empty(model.config, 64, "cpu", torch.float32) for _ in range(2))
+    indexer.write_keys(k[:7], gates[:7], at_once, torch.arange(7))
+    indexer.write_keys(k[7:], gates[7:], at_once, torch.arange(7, n))
+    for p in range(n):
+        indexer.write_keys(k[p : p + 1], gates[p : p + 1], by_token, torch.tensor([p]))
+    complete = n // kpool
+    want = pool(k[: complete * kpool].view(complete, kpool, D), gates[: complete * kpool].view(complete, kpool, D),
+                indexer.index_kpool_compress_ape, torch.ones(complete, kpool, dtype=torch.bool))
+    assert rel_err(at_once.groups[:complete], want) < 1e-6 and rel_err(by_token.groups[:complete], want) < 1e-6
+    rest = n % kpool
+    assert torch.equal(at_once.tail_keys[:rest], k[n - rest :]) and torch.equal(by_token.tail_keys[:rest], k[n - rest :])
+
+
+@pytest.mark.parametrize("layers, kpool", CASES)
+def test_prefill_logits_match_every_position(hf_next, layers, kpool):
+    path, hf = hf_next(layers, kpool)
+    ids = prompt()
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    model = load_model(path, dtype=torch.float32)
+    assert max_rel_err(model(ids, new_cache(model, 64)), theirs) < 1e-3
+
+
+@pytest.mark.parametrize("layers, kpool", CASES)
+def test_chunked_prefill_and_decode_match_the_full_forward(hf_next, layers, kpool):
+    path, hf = hf_next(layers, kpool)
+    ids = prompt(2)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    model = load_model(path, dtype=torch.float32)
+    cache = new_cache(model, 64)
+    steps = [model(ids[:7], cache), model(ids[7:13], cache)] + [model(ids[i : i + 1], cache)
+                                                                 for i in range(13, PROMPT_LEN)]
+    assert max_rel_err(torch.cat(steps), theirs) < 1e-3
+
+
+@pytest.mark.parametrize("layers, kpool", CASES)
+def test_greedy_tokens_identical(hf_next, layers, kpool):
+    path, hf = hf_next(layers, kpool)
+    ids = prompt(3)
+    n_new = 24
+    engine = Engine(load_model(path, dtype=torch.float32))
+    engine.stop_ids = set()
+    assert engine.generate(ids.tolist(), n_new).output_ids == hf_greedy(hf, ids, n_new)
+
+
+def test_second_turn_resumes_and_decodes_what_a_fresh_engine_decodes(hf_next):
+    """A KDA state cannot be rewound: the engine resumes at its end or at the point before the last prompt token."""
+    path, _ = hf_next(8, 4)
+    model = load_model(path, dtype=torch.float32)
+    first, extra = prompt(4).tolist(), prompt(5, 9).tolist()
+    engine = Engine(model, cuda_graphs=False)
+    engine.stop_ids = set()
+    out = engine.generate(first, 6).output_ids
+    cases = {"extends the whole cache": first + out + extra, "repeats the prompt": first,
+             "extends the prompt only": first + extra, "shares nothing": extra + first}
+    for what, ids in cases.items():
+        fresh = Engine(model, cuda_graphs=False)
+        fresh.stop_ids = set()
+        want = fresh.generate(ids, 6).output_ids
+        result = engine.generate(ids, 6)
+        assert result.output_ids == want, what
+        expected_reuse = {"extends the whole cache": len(first) + len(out) - 1,  # the last token was never fed
+                          "repeats the prompt": len(first) - 1,
+                          "extends the prompt only": len(first) - 1, "shares nothing": 0}[what]
+        assert result.reused_tokens == expected_reuse, what
+        engine.generate(first, 6)  # back to the first conversation for the next case
