@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny", help="write a small random checkpoint of the real architecture")
     p.add_argument("dir")
-    p.add_argument("--arch", choices=["glm_moe_dsa", "deepseek_v32"], default="glm_moe_dsa")
+    p.add_argument("--arch", choices=["glm_moe_dsa", "deepseek_v32", "glm5_next"], default="glm_moe_dsa")
     p.add_argument("--fp8", action="store_true", help="store projections as FP8 e4m3 with 128x128 block scales")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", help="real dims of this config (glm-5, glm-5.2, deepseek-v3.2, or a config.json), "

@@ -20,6 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import bench_peer
 import torch
 
 from glm5_offload.benchmark import format_table, prefill_split, random_prompt, run_benchmark
@@ -33,8 +34,6 @@ from glm5_offload.rules import RuleFile, load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.tiny import make_tiny
 from glm5_offload.util import cache_dir
-
-import bench_peer
 
 TARGETS = ("glm-5", "glm-5.2")
 

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+import bench_experts
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,7 +29,6 @@ from torch.profiler import ProfilerActivity, profile
 from glm5_offload.ops.expert_ring import ExpertRing
 from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 
-import bench_experts
 import ceilings
 
 HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_experts
 import torch
 
 from glm5_offload.loader import load_model
@@ -20,7 +21,6 @@ from glm5_offload.runtime.engine import Engine
 from glm5_offload.tiny import make_tiny
 
 import bench_dsa
-import bench_experts
 import bench_linear
 import bench_reference
 import bench_tiered

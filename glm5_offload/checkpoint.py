@@ -51,6 +51,12 @@ def model_name(config: ModelConfig, stored: str) -> str | None:
     return _HYPER.sub(r".\1_hc.\2", stored)
 
 
+def stored_name(config: ModelConfig, name: str) -> str:
+    """model_name's inverse: where the release stores the model's tensor `name`."""
+    name = re.sub(r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2", name)
+    return config.text_prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
 def shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
     """Each shard file, with the tensor names the index assigns to it (None: no index, take all)."""
     index = model_dir / INDEX_FILE
@@ -130,6 +136,7 @@ class Checkpoint:
     def __init__(self, model_dir: Path, config: ModelConfig, expected: dict[str, tuple[int, ...]],
                  aliases: dict[str, str] | None = None):
         self.model_dir, self.block, self.aliases = model_dir, config.fp8_block_size, aliases or {}
+        self.config = config
         self.located: dict[str, tuple[Path, torch.dtype, tuple]] = {}  # name -> shard, dtype, shape
         self.stored: dict[str, str] = {}  # name -> the name in the shard (model_name's inverse)
         self._open: dict[Path, object] = {}
@@ -148,7 +155,7 @@ class Checkpoint:
                 layer = _LAYER.match(name)
                 if layer and int(layer.group(1)) >= n_layers:
                     if int(layer.group(1)) >= n_layers + n_mtp:
-                        raise Glm5Error(f"{path}: tensor {name} is beyond the {n_layers} decoder layers and "
+                        raise Glm5Error(f"{path}: tensor {stored} is beyond the {n_layers} decoder layers and "
                                         f"{n_mtp} MTP layer(s) config.json announces (num_hidden_layers, "
                                         "num_nextn_predict_layers)")
                     skipped_mtp += 1
@@ -170,27 +177,30 @@ class Checkpoint:
         where = self.model_dir
         missing = [n for n in expected if n not in self.located]
         if missing:
-            raise Glm5Error(f"{where}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise Glm5Error(f"{where}: missing tensor {stored_name(self.config, missing[0])}"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         for name in self.located:
             weight = name.removesuffix("_scale_inv")
             if name.endswith(".weight_scale_inv") and (weight not in self.located
                                                        or self.located[weight][1] != torch.float8_e4m3fn):
-                raise Glm5Error(f"{where}: unexpected tensor {name} (no float8_e4m3fn weight {weight} beside it)")
+                raise Glm5Error(f"{where}: unexpected tensor {self.stored[name]} (no float8_e4m3fn weight "
+                                f"{stored_name(self.config, weight)} beside it)")
         for name, want in expected.items():
             _, dtype, shape = self.located[name]
+            shown = self.stored[name]
             if shape != tuple(want):
-                raise Glm5Error(f"{where}: tensor {name} has shape {shape}, expected {tuple(want)}")
+                raise Glm5Error(f"{where}: tensor {shown} has shape {shape}, expected {tuple(want)}")
             if dtype == torch.float8_e4m3fn:
                 scale = self.located.get(name + "_scale_inv")
                 if scale is None or self.block is None:
                     why = "without its weight_scale_inv" if scale is None else "but config.json has no fp8 quantization_config"
-                    raise Glm5Error(f"{where}: tensor {name} is float8_e4m3fn {why}")
+                    raise Glm5Error(f"{where}: tensor {shown} is float8_e4m3fn {why}")
                 want_scale = fp8_blocks.scale_shape(shape, self.block)
                 if len(shape) != 2 or scale[2] != want_scale or not scale[1].is_floating_point:
-                    raise Glm5Error(f"{where}: tensor {name}_scale_inv has shape {scale[2]} {scale[1]}, expected "
+                    raise Glm5Error(f"{where}: tensor {shown}_scale_inv has shape {scale[2]} {scale[1]}, expected "
                                     f"{want_scale} float")
             elif dtype not in FLOAT_DTYPES:
-                raise Glm5Error(f"{where}: tensor {name} has dtype {dtype}, expected bfloat16, float16, float32 or "
+                raise Glm5Error(f"{where}: tensor {shown} has dtype {dtype}, expected bfloat16, float16, float32 or "
                                 "float8_e4m3fn with weight_scale_inv")
 
     def _get(self, name: str) -> torch.Tensor:

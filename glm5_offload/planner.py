@@ -151,8 +151,12 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
     for b in shared.values():
         add(b)
     heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + config.kv_lora_rank)
-    for d in devices.values():  # residual stream, norms, projections of one chunk, and the logits
-        d.activations = prefill_chunk * (6 * config.hidden_size + heads) * ACTIVATION_BYTES + config.vocab_size * 4
+    if config.kda_layers:  # a KDA layer's q, k, v, gates and convolution inputs
+        heads = max(heads, 12 * config.linear_num_heads * config.linear_head_dim)
+    # residual stream(s: hc_mult with hyper-connections), norms, projections of one chunk, and the logits
+    stream = (5 + config.hc_mult) * config.hidden_size
+    for d in devices.values():
+        d.activations = prefill_chunk * (stream + heads) * ACTIVATION_BYTES + config.vocab_size * 4
     return Plan(config, placement, max_seq_len, notes, active, sorted(devices.values(), key=lambda d: d.device))
 
 

@@ -9,6 +9,7 @@ stored as float8_e4m3fn with 128x128-block weight_scale_inv, as GLM-5-FP8 is.
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -19,16 +20,18 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from .checkpoint import stored_name
 from .config import load_config, parse_config
 from .formats import fp8_blocks
 from .model import build_model, keeps_fp32
 from .util import cache_dir
 
-ARCHS = ("glm_moe_dsa", "deepseek_v32")
+ARCHS = ("glm_moe_dsa", "deepseek_v32", "glm5_next")
 SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
                   "<|assistant|>", "<|observation|>", "<think>", "</think>"]
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 VOCAB_SIZE = 1024
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
@@ -65,10 +68,37 @@ Questions, answers, summaries, translations, poems, stories, recipes, plans, pro
 """
 
 
+def tiny_next_config() -> dict:
+    """GLM-5.3-Flash's multimodal config.json at small dims (its vision tower's too, though only the text model's
+    tensors are written): KDA layers and NoPE DSA layers (every 4th) with the pooled indexer, hyper-connections."""
+    n = 8
+    text = {
+        "model_type": "glm5_next_text", "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": n, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 0, "qk_head_dim": 32,
+        "v_head_dim": 32, "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16, "index_kpool": 4,
+        "index_kpool_always_select_tail": True, "n_routed_experts": 16, "n_shared_experts": 1,
+        "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "linear_num_heads": 4, "linear_head_dim": 32, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "swiglu_limit": 10.0, "pad_token_id": 0,
+        "layer_types": ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(n)],
+        "indexer_types": ["full"] * n, "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1),
+        "tie_word_embeddings": False,
+    }
+    vision = {"model_type": "glm5_next_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
+              "num_heads": 2, "out_hidden_size": 64, "projection_intermediate_size": 64}
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "dtype": "bfloat16",
+            "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
+            "eos_token_id": [SPECIAL_TOKENS.index(t) for t in EOS_TOKENS]}
+
+
 def tiny_config(arch: str = "glm_moe_dsa") -> dict:
     """A config.json dict of the real architecture at small dims."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if arch == "glm5_next":
+        return tiny_next_config()
     config = {
         "architectures": ["GlmMoeDsaForCausalLM" if arch == "glm_moe_dsa" else "DeepseekV32ForCausalLM"],
         "model_type": arch,
@@ -160,7 +190,8 @@ def layer_groups(names: list[str]) -> list[list[str]]:
     layer joins it): one shard per layer, so a checkpoint of real dims is written a layer at a time."""
     groups, current = [], None
     for name in names:
-        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        layer = _LAYER.search(name)
+        layer = layer.group(1) if layer else None
         if layer is not None and layer != current and current is not None:
             groups.append([])
         if layer is not None:
@@ -173,14 +204,28 @@ def layer_groups(names: list[str]) -> list[list[str]]:
 
 def shaped_config(preset: str, layers: int, overrides: dict | None = None) -> dict:
     """A published config (a preset name or config.json path) with its real dims, cut to `layers` layers (the
-    first dense, the rest MoE) and the tiny tokenizer's vocabulary; then `overrides` (config.json keys)."""
+    first dense, the rest MoE) and the tiny tokenizer's vocabulary; then `overrides` (config.json keys; GLM-5.3-Flash:
+    its text_config's). GLM-5.3-Flash keeps its per-layer lists' first `layers` entries: KDA layers first, a DSA
+    layer from the 4th."""
     path = Path(load_config(preset).path)
     config = json.loads(path.read_text())
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
-    config.update(num_hidden_layers=layers, first_k_dense_replace=1, vocab_size=VOCAB_SIZE, eos_token_id=[SPECIAL_TOKENS.index(t) for t in EOS_TOKENS], pad_token_id=0)
-    for key in ("quantization_config", "mlp_layer_types", "indexer_types", "index_topk_pattern"):
-        config.pop(key, None)  # per-layer lists no longer fit; FP8 is the fp8 flag's to say
+    eos = [SPECIAL_TOKENS.index(t) for t in EOS_TOKENS]
+    config.pop("quantization_config", None)  # FP8 is the fp8 flag's to say
+    if "text_config" in config:
+        text = config["text_config"]
+        text.update(num_hidden_layers=layers, vocab_size=VOCAB_SIZE, pad_token_id=0)
+        for key in ("layer_types", "indexer_types"):
+            text[key] = text[key][:layers]
+        text["mlp_layer_types"] = ["dense"] + ["sparse"] * (layers - 1)
+        text.update(overrides or {})
+        config["eos_token_id"] = eos
+        return config
+    config.update(num_hidden_layers=layers, first_k_dense_replace=1, vocab_size=VOCAB_SIZE, eos_token_id=eos,
+                  pad_token_id=0)
+    for key in ("mlp_layer_types", "indexer_types", "index_topk_pattern"):
+        config.pop(key, None)  # per-layer lists no longer fit
     config.update(overrides or {})
     return config
 
@@ -219,7 +264,8 @@ def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False,
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(fp8_blocks.BLOCK)}
-    shapes = {n: tuple(t.shape) for n, t in build_model(parse_config(config, "tiny config")).state_dict().items()}
+    parsed = parse_config(config, "tiny config")
+    shapes = {stored_name(parsed, n): tuple(t.shape) for n, t in build_model(parsed).state_dict().items()}
     groups = layer_groups(list(shapes))
     gen = torch.Generator().manual_seed(seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -161,3 +161,70 @@ def test_second_turn_resumes_and_decodes_what_a_fresh_engine_decodes(hf_next):
                           "extends the prompt only": len(first) - 1, "shares nothing": 0}[what]
         assert result.reused_tokens == expected_reuse, what
         engine.generate(first, 6)  # back to the first conversation for the next case
+
+
+def test_make_tiny_checkpoint_loads_in_transformers_with_same_logits(tmp_path):
+    from transformers import Glm5NextForConditionalGeneration
+
+    from glm5_offload.tiny import make_tiny
+
+    path = make_tiny(tmp_path / "flash", arch="glm5_next")
+    hf = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(12, 1024, (40,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    model = load_model(path, dtype=torch.float32)
+    assert max_rel_err(model(ids, new_cache(model, 64)), theirs) < 1e-3
+
+
+def test_saved_context_resumes_the_kda_states(hf_next, tmp_path):
+    """generate --save-context / --load-context: a second engine resumes the rows, pooled keys and KDA states and
+    decodes what the first would have."""
+    from glm5_offload.runtime.saved_context import load_context, save_context
+
+    path, _ = hf_next(8, 4)
+    model = load_model(path, dtype=torch.float32)
+    first = prompt(6).tolist()
+    engine = Engine(model, max_seq_len=128, cuda_graphs=False)
+    engine.stop_ids = set()
+    out = engine.generate(first, 5).output_ids
+    assert save_context(engine, tmp_path / "ctx") == len(first) + 4
+    follow = first + out + prompt(7, 5).tolist()
+    want = engine.generate(follow, 6).output_ids
+    resumed = Engine(model, max_seq_len=128, cuda_graphs=False)
+    resumed.stop_ids = set()
+    assert load_context(resumed, tmp_path / "ctx") == len(first) + 4
+    result = resumed.generate(follow, 6)
+    assert result.reused_tokens == len(first) + 4 and result.output_ids == want
+
+
+@pytest.mark.parametrize("formats", ["shipped", "bf16"])
+def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, tmp_path, formats):
+    """--device cpu with rules/glm5-flash.yaml: kda.fla and the Triton operators run their references or Triton's
+    interpreter. With every format widened to bf16 (weights, experts; rows in the model's dtype) the logits are
+    transformers' within bf16 rounding; as shipped (FP8 projections and rows, int4 experts) within what those
+    formats cost a tiny random model (GLM-5's tiny model under glm5.yaml: 25%), and the engine decodes from them."""
+    from glm5_offload.rules import load_rules, resolve_rules_path
+
+    path, hf = hf_next(4, 2)
+    ids = prompt(8)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+    text = resolve_rules_path("glm5-flash").read_text()
+    if formats == "bf16":
+        text = text.replace("format: fp8", "format: bf16").replace("format: int4", "format: bf16").replace(
+            "kv_dtype: fp8, ", "")
+    (tmp_path / "rules.yaml").write_text(text)
+    placed = load_model(path, dtype=torch.float32, rules=load_rules(tmp_path / "rules.yaml"), device="cpu")
+    ops = {s.op.name for s in placed.placement.slots.values()}
+    assert {"kda.reference", "experts.numba", "linear.triton", "attention.dsa_triton"} <= ops
+    ours = placed(ids, new_cache(placed, 64))
+    errors = sorted(rel_err(ours[i], theirs[i]) for i in range(PROMPT_LEN))
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean()
+    if formats == "bf16":
+        assert errors[-1] < 1e-2 and agree == 1
+    else:
+        assert errors[PROMPT_LEN // 2] < 0.5 and agree >= 0.3
+    engine = Engine(placed, cuda_graphs=False)
+    engine.stop_ids = set()
+    assert len(engine.generate(ids.tolist(), 8).output_ids) == 8

@@ -44,6 +44,22 @@ def test_kernel_equals_dequantised_reference(fmt, group, tokens):
     assert (torch.from_numpy(out) - ref).norm() / ref.norm() <= 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_swiglu_limit_clamps_as_the_reference(fmt):
+    """GLM-5.3-Flash's swiglu_limit: gate <= limit, -limit <= up <= limit, inside the kernel."""
+    (v13, s13, v2, s2), _ = layer(fmt, 128)
+    g = torch.Generator().manual_seed(7)
+    x = 4 * torch.randn(5, H, generator=g)  # large enough that the clamp binds
+    ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(5)])
+    weights = torch.rand(5, 4, generator=g)
+    w13, w2 = int_groups.dequantize(v13, s13, fmt, 128), int_groups.dequantize(v2, s2, fmt, 128)
+    ref = moe_cpu.moe_reference(x, w13, w2, ids, weights, limit=1.0)
+    assert (ref - moe_cpu.moe_reference(x, w13, w2, ids, weights)).norm() > 0.1 * ref.norm()  # it binds
+    out = moe_cpu.moe_forward(fmt, 128, v13, s13, v2, s2, x.numpy(), ids.numpy(), weights.numpy(), threads=2,
+                              limit=1.0)
+    assert (torch.from_numpy(out) - ref).norm() / ref.norm() <= 1e-5
+
+
 @pytest.mark.parametrize("fmt, group", CASES[1:])
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_int8_activations_equal_their_reference(fmt, group, tokens):

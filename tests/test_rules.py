@@ -15,7 +15,8 @@ from glm5_offload.errors import Glm5Error
 from glm5_offload.model import Experts, build_model
 from glm5_offload.rules import check_devices_present, load_rules, place, shipped_rule_names
 
-SHIPPED = ["glm5.yaml", "glm5-reference.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]
+SHIPPED = ["glm5.yaml", "glm5-reference.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]  # GLM-5, GLM-5.2, DeepSeek-V3.2
+FLASH = "glm5-flash.yaml"  # GLM-5.3-Flash
 
 
 @functools.cache
@@ -28,8 +29,8 @@ def placement(preset, rules, device=None):
 
 
 def test_shipped_rule_files():
-    assert shipped_rule_names() == sorted(SHIPPED)
-    for name in SHIPPED:
+    assert shipped_rule_names() == sorted(SHIPPED + [FLASH])
+    for name in SHIPPED + [FLASH]:
         text = (Path(load_rules(name).path)).read_text()
         assert text.lstrip().startswith("#")  # each explains itself
 
@@ -47,6 +48,16 @@ def test_shipped_rules_place_every_module_and_use_every_rule(preset, rules):
     else:  # the workstation default: only the routed experts on the CPU
         assert on_cpu == {Experts}
         assert all(s.device == "cuda" for s in p.slots.values() if not isinstance(s.module, Experts))
+
+
+def test_flash_default_places_every_module_and_uses_every_rule():
+    p = placement("glm-5.3-flash", FLASH)
+    assert p.unmatched == [] and p.unused_rules == []
+    assert {type(s.module) for s in p.slots.values() if s.device == "cpu"} == {Experts}
+    ops = {s.op.name for s in p.slots.values()}
+    assert {"kda.fla", "pooled_indexer.reference", "hyper_connection.reference", "attention.dsa_triton"} <= ops
+    with pytest.raises(Glm5Error, match="suits glm5_next, not glm_moe_dsa"):
+        placement("glm-5", FLASH)
 
 
 def test_indexshare_shared_layers_have_no_indexer_slot():

@@ -11,7 +11,7 @@ from . import glm5_next
 from .blocks import MLP, Experts, Linear, LMHead, MoE, RMSNorm, Router, keeps_fp32, swiglu
 from .glm5_next import HyperConnection
 from .glm_moe_dsa import Backbone, CausalLM, DecoderLayer
-from .kda import KDA, KDAState, GatedRMSNorm
+from .kda import KDA, GatedRMSNorm, KDAState
 from .mla import SCORE_BUDGET, Attention, Indexer, LatentLayout, indexer_scores, sparse_mla, topk_indices
 from .pooled_indexer import PooledIndexer, PooledKeys
 from .steps import CUT, HostStep, Pass, run_steps

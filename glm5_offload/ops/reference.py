@@ -12,8 +12,21 @@ from ..errors import Glm5Error
 from ..formats import dtype_name
 from ..formats.int_groups import BITS, GROUP, describe, nbytes
 from ..formats.kv_rows import key_bytes, latent_row_bytes
-from ..model import (KDA, MLP, SCORE_BUDGET, Attention, Experts, HyperConnection, Indexer, LatentLayout, Linear,
-                     LMHead, PooledIndexer, RMSNorm, Router)
+from ..model import (
+    KDA,
+    MLP,
+    SCORE_BUDGET,
+    Attention,
+    Experts,
+    HyperConnection,
+    Indexer,
+    LatentLayout,
+    Linear,
+    LMHead,
+    PooledIndexer,
+    RMSNorm,
+    Router,
+)
 from ..model.kda import CHUNK
 from ..util import human_bytes, is_positive_int, parse_size
 from .base import Buffer, BuildContext, Operator, PlanContext, Slot

@@ -86,6 +86,22 @@ class KVCache:
                 states[f"tail_keys.{i}"], states[f"tail_gates.{i}"] = keys.tail_keys, keys.tail_gates
         return states
 
+    def saved_tensors(self, n: int) -> dict[str, torch.Tensor]:
+        """What a saved context holds of the first n tokens (n = length when saving), by name: each layer's latent
+        rows (a tiered layer's host rows) and indexer keys in their stored form, and the fixed-size states."""
+        tensors = {}
+        for i, rows in enumerate(self.latent):
+            if rows is not None:
+                tensors[f"latent.{i}"] = (rows.host if isinstance(rows, TieredLatent) else rows)[:n]
+        for i, keys in self.index_keys.items():
+            if isinstance(keys, FP8Keys):
+                tensors[f"keys.{i}"], tensors[f"key_scales.{i}"] = keys.values[:n], keys.scales[:n]
+            elif isinstance(keys, PooledKeys):
+                tensors[f"keys.{i}"] = keys.groups[: -(-n // keys.tail_keys.shape[0])]
+            else:
+                tensors[f"keys.{i}"] = keys[:n]
+        return {**tensors, **self.states()}
+
     def mark_resume_point(self):
         """Keep the state at the current length: a later rewind to it (or past it) resumes there."""
         if self.kda:

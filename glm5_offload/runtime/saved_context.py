@@ -29,10 +29,8 @@ import torch
 
 from ..checkpoint import MAPPED_DTYPES, check_shard, fingerprint, memory_map
 from ..errors import Glm5Error
-from ..formats.kv_rows import FP8Keys
 from .engine import Engine
 from .kv_cache import new_cache
-from .tiered_kv import TieredLatent
 
 FORMAT, VERSION = "glm5-offload context", 1
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.float32}  # element size -> how the bytes are stored
@@ -84,8 +82,9 @@ def identity(engine: Engine) -> dict:
     """What a saved context must match: the model's config and weights, and the cache's form."""
     model = engine.model
     config_path = Path(model.config.path)
-    form = [{"rows": "fp8" if layer.self_attn.latent_layout.fp8 else str(model.dtype),
-             "keys": layer.self_attn.latent_layout.index_device is not None} for layer in model.model.layers]
+    form = [{"kda": True} if layout is None else {"rows": "fp8" if layout.fp8 else str(model.dtype),
+                                                  "keys": layout.index_device is not None}
+            for layout in (getattr(layer.self_attn, "latent_layout", None) for layer in model.model.layers)]
     return {"config_sha256": hashlib.sha256(config_path.read_bytes()).hexdigest(),
             "weights": fingerprint(config_path.parent), "form": form}
 
@@ -105,14 +104,7 @@ def save_context(engine: Engine, path: str | Path) -> int:
     n = 0 if cache is None else cache.length
     arrays = {"token_ids": np.asarray(engine.cache_ids[:n], dtype=np.int32)}
     if cache is not None:
-        for i, rows in enumerate(cache.latent):
-            arrays[f"latent.{i}"] = _as_bytes((rows.host if isinstance(rows, TieredLatent) else rows)[:n])
-        for i, keys in cache.index_keys.items():
-            if isinstance(keys, FP8Keys):
-                arrays[f"keys.{i}"] = _as_bytes(keys.values[:n])
-                arrays[f"key_scales.{i}"] = _as_bytes(keys.scales[:n])
-            else:
-                arrays[f"keys.{i}"] = _as_bytes(keys[:n])
+        arrays.update({name: _as_bytes(t) for name, t in cache.saved_tensors(n).items()})
     metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n), "identity": json.dumps(identity(engine))}
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -152,14 +144,7 @@ def load_context(engine: Engine, path: str | Path) -> int:
     if engine.cache is None:
         engine.cache = new_cache(engine.model, engine.max_seq_len)
     cache = engine.cache
-    targets = {"token_ids": None}
-    for i, rows in enumerate(cache.latent):
-        targets[f"latent.{i}"] = (rows.host if isinstance(rows, TieredLatent) else rows)[:n]
-    for i, keys in cache.index_keys.items():
-        if isinstance(keys, FP8Keys):
-            targets[f"keys.{i}"], targets[f"key_scales.{i}"] = keys.values[:n], keys.scales[:n]
-        else:
-            targets[f"keys.{i}"] = keys[:n]
+    targets = {"token_ids": None, **cache.saved_tensors(n)}
     if sorted(arrays) != sorted(targets) or sorted(crc) != sorted(targets):
         raise Glm5Error(f"{path}: its tensors are not this model's cache")
     for name, target in targets.items():
@@ -180,8 +165,9 @@ def load_context(engine: Engine, path: str | Path) -> int:
             source = torch.from_numpy(arrays[name])
             source = source if target.dtype == torch.float32 else source.view(target.dtype)
             rows = max(1, CHUNK // max(1, target[:1].nbytes))
-            copies += [(target[i : i + rows], source[i : i + rows]) for i in range(0, n, rows)]
+            copies += [(target[i : i + rows], source[i : i + rows]) for i in range(0, target.shape[0], rows)]
         list(_pool.map(lambda pair: pair[0].copy_(pair[1]), copies))  # torch's copies free the GIL too
     engine.cache_ids = ids
     cache.length = n
+    cache.resume_point = None
     return n
