@@ -28,6 +28,31 @@ def checkpoint(tmp_path_factory):
     return make_tiny(root / "ckpt", preset=str(root / "config.json"), layers=4)
 
 
+@pytest.fixture(scope="module")
+def flash_checkpoint(tmp_path_factory):
+    """The tiny GLM-5.3-Flash architecture with dims the shipped rules' int4 groups of 128 divide: 8 layers (KDA,
+    a DSA layer every 4th), 4096 positions."""
+    root = tmp_path_factory.mktemp("sequences-flash")
+    config = tiny_config("glm5_next")
+    config["text_config"].update(hidden_size=256, moe_intermediate_size=128)
+    (root / "config.json").write_text(json.dumps(config))
+    return make_tiny(root / "ckpt", preset=str(root / "config.json"), layers=8)
+
+
+def test_flash_rules_over_three_turns_equal_eager(flash_checkpoint):
+    """rules/glm5-flash.yaml: KDA layers (fla-core) cannot rewind, so the second turn restarts and the third
+    extends it; CUDA-graph decode gives eager decode's tokens."""
+    model = load_model(flash_checkpoint, rules=load_rules("glm5-flash"), dtype=torch.float32, max_seq_len=4096)
+    results = {}
+    for graphs in (True, False):
+        engine = Engine(model, max_seq_len=4096, prefill_chunk=2048, cuda_graphs=graphs)
+        engine.stop_ids = set()
+        results[graphs] = turns(engine)
+        assert (engine.graphs is not None) == graphs
+    assert results[True] == results[False]
+    assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
+
+
 def rule_files(tmp_path) -> list[Path]:
     shipped = [resolve_rules_path(name) for name in ("glm5", "glm5-reference", "glm5-gpu", "glm5-cpu")]
     ring = tmp_path / "glm5-ring256.yaml"  # the README's advice for 80 GB+ GPUs: a whole layer in the ring
