@@ -108,6 +108,24 @@ def test_two_turns_save_and_load(tiny_dir, tmp_path):
     assert term.quit() == 0
 
 
+def test_flash_second_turn_continues_the_kda_state(tmp_path):
+    """GLM-5.3-Flash (make-tiny --arch glm5_next, its default rules on the CPU): the second turn extends the cached
+    conversation, so its KDA states go on from where the first turn left them: only the new message is prefilled."""
+    from glm5_offload.tiny import make_tiny
+
+    path = make_tiny(tmp_path / "flash", arch="glm5_next")
+    term = Terminal("chat", "--model", path, "--temperature", 0, "--max-new-tokens", 8, "--system", "Be brief.")
+    term.expect(r"\n> ")
+    term.send("Hello there\r")
+    first = term.expect(STATS)
+    term.expect(r"\n> ")
+    term.send("And again\r")
+    second = term.expect(STATS)
+    new = suffix_tokens(path, "And again")
+    assert int(first.group(1)) > 10 and int(second.group(1)) in (new, new + 1)
+    assert term.quit() == 0
+
+
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_dir):
     term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3000, "--ignore-eos",
                     "--no-think")

@@ -75,6 +75,19 @@ def test_generate_json_greedy_matches_the_engine(tiny_dir):
     assert isinstance(out["text"], str)
 
 
+def test_flash_generate_takes_its_family_default_rules(tmp_path):
+    path = tmp_path / "flash"
+    assert "wrote a tiny glm5_next checkpoint" in glm5("make-tiny", path, "--arch", "glm5_next").stdout
+    assert "model.language_model.layers.3.self_attn.indexer.index_kpool_compress_gate" in json.loads(
+        (path / "model.safetensors.index.json").read_text())["weight_map"]
+    proc = glm5("generate", "--model", path, "--prompt", "Hello! How are you", "--max-new-tokens", 8, "--temperature",
+                0, "--json")
+    assert "the default placement glm5-flash for glm5_next" in proc.stderr
+    out = json.loads(proc.stdout)
+    engine = Engine(load_model(path, rules=load_rules("glm5-flash"), device="cpu"))
+    assert out["output_ids"] == engine.generate(out["prompt_ids"], 8).output_ids
+
+
 def test_generate_prompt_ids_with_sampling_seed(tiny_dir):
     args = ["generate", "--model", tiny_dir(), "--prompt-ids", "12,40,77", "--max-new-tokens", 8,
             "--temperature", 0.9, "--top-p", 0.9, "--top-k", 50, "--seed", 5, "--json"]

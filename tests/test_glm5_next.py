@@ -10,7 +10,7 @@ from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import load_model
 from glm5_offload.model.kda import kda_chunked, kda_recurrent, l2_normalise
-from glm5_offload.model.pooled_indexer import PooledKeys, pool
+from glm5_offload.model.pooled_indexer import PooledKeys, group_scores, pool
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
@@ -105,6 +105,28 @@ def test_pooled_keys_written_token_by_token_equal_those_written_at_once(hf_next,
     assert rel_err(at_once.groups[:complete], want) < 1e-6 and rel_err(by_token.groups[:complete], want) < 1e-6
     rest = n % kpool
     assert torch.equal(at_once.tail_keys[:rest], k[n - rest :]) and torch.equal(by_token.tail_keys[:rest], k[n - rest :])
+
+
+@pytest.mark.parametrize("kpool", [2, 16])
+def test_pooled_scores_in_the_indexer_kernel_equal_the_reference(kpool):
+    """pooled_indexer.dsa_triton: the group scores through the indexer's Triton kernel (its causal mask at the
+    query's last complete group), against group_scores."""
+    from types import SimpleNamespace
+
+    from glm5_offload.ops.dsa_triton import TritonPooledIndexer
+
+    g = torch.Generator().manual_seed(kpool)
+    S, H, D, end = 5, 16, 32, 150
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cache = PooledKeys(torch.randn(-(-200 // kpool), D, generator=g).to(device), None, None)
+    q = torch.randn(S, H, D, generator=g).to(device)
+    weights = torch.randn(S, H, generator=g).to(device)
+    positions = torch.tensor([0, kpool - 2, kpool - 1, 77, end - 1]).clamp(min=0).to(device)
+    got = TritonPooledIndexer.scores(SimpleNamespace(kpool=kpool), q, cache, weights, positions, end)
+    want = group_scores(q, cache.groups[: end // kpool], weights, positions, kpool)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert rel_err(got[finite], want[finite]) < 1e-5
 
 
 @pytest.mark.parametrize("layers, kpool", CASES)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .blocks import MLP, MoE, RMSNorm
+from .glm_moe_dsa import Backbone as DsaBackbone
 from .glm_moe_dsa import CausalLM as DsaCausalLM
 from .kda import KDA
 from .mla import Attention
@@ -89,12 +90,8 @@ class DecoderLayer(nn.Module):
         return [attend, lambda s: setattr(s, "x", leave(s, self.mlp(enter(s)).to(s.x.device)))]
 
 
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class Backbone(DsaBackbone):
+    decoder_layer = DecoderLayer
 
 
 class CausalLM(DsaCausalLM):

@@ -44,10 +44,12 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Checkpoint prefix `model.`: embeddings, decoder layers, final norm."""
 
+    decoder_layer = DecoderLayer
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

@@ -1,5 +1,5 @@
-"""`attention.dsa_triton` and `indexer.dsa_triton`: the same modules with their cores in Triton kernels
-(kernels/dsa_triton.py).
+"""`attention.dsa_triton`, `indexer.dsa_triton` and `pooled_indexer.dsa_triton`: the same modules with their cores
+in Triton kernels (kernels/dsa_triton.py).
 
 Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
 indexer and keeps no indexer cache. Selection uses torch.topk on the kernel's scores. FP8 indexer keys are roped
@@ -32,6 +32,14 @@ class TritonIndexer(Indexer):
         return max(1, 2 * SCORE_BUDGET // n_keys)
 
 
+class TritonPooledIndexer(PooledIndexer):
+    def scores(self, q, cache, weights, positions, end):
+        """The indexer kernel over the group keys: group g is complete at position p when g <= (p + 1) / kpool - 1,
+        which is the kernel's causal mask with that as the query's position."""
+        groups = cache.groups[: end // self.kpool]
+        return dsa_triton.indexer_scores(q, groups, weights, positions.add(1).div(self.kpool, rounding_mode="floor") - 1)
+
+
 class TritonAttention(Attention):
     def attend(self, q_lat, q_pe, latent, indices):
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)[0]
@@ -42,4 +50,6 @@ OPERATORS = (
                       kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES, module_class=TritonAttention),
     IndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores in a Triton kernel, torch.topk",
                     delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
+    IndexerOperator("pooled_indexer.dsa_triton", PooledIndexer, "GLM-5.3-Flash's group scores in the indexer's "
+                    "Triton kernel, torch.topk", delegates=(Linear,), devices=DEVICES, module_class=TritonPooledIndexer),
 )
