@@ -199,6 +199,31 @@ def test_make_tiny_checkpoint_loads_in_transformers_with_same_logits(tmp_path):
     assert max_rel_err(model(ids, new_cache(model, 64)), theirs) < 1e-3
 
 
+def test_an_fp8_flash_checkpoint_is_kept_as_released(tmp_path, monkeypatch):
+    """make-tiny --arch glm5_next --fp8: the FP8 projections (KDA's and MLA's) are kept as e4m3 blocks by the Flash
+    rules (nothing converted), and the logits are those of the reference operators, which widen the same values."""
+    from glm5_offload.ops.linear_triton import QuantLinear
+    from glm5_offload.rules import load_rules, resolve_rules_path
+    from glm5_offload.tiny import make_tiny
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = make_tiny(tmp_path / "flash8", arch="glm5_next", fp8=True)
+    text = resolve_rules_path("glm5-flash").read_text().replace("op: experts.numba", "op: experts.reference").replace(
+        "    kwargs: {format: int4, gpu_tokens: 1024}\n", "").replace("kv_dtype: fp8, kv_offload: true, ", "").replace("attention.dsa_triton", "attention.reference").replace(
+        "pooled_indexer.dsa_triton", "pooled_indexer.reference").replace(  # only the projections differ
+        "kwargs: {format: fp8}\n\n- match:\n    class: Linear", "kwargs: {format: bf16}\n\n- match:\n    class: "
+        "Linear")  # lm_head is bf16 in the release
+    (tmp_path / "rules.yaml").write_text(text)
+    fast = load_model(path, dtype=torch.float32, rules=load_rules(tmp_path / "rules.yaml"), device="cpu")
+    plain = load_model(path, dtype=torch.float32)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.kv_b_proj"):
+        module = fast.get_submodule(name)
+        assert isinstance(module, QuantLinear) and module.weight.dtype == torch.float8_e4m3fn, name
+    assert not (tmp_path / "cache" / "glm5-offload" / "linear").exists()
+    ids = torch.arange(12, 52)
+    assert rel_err(fast(ids, new_cache(fast, 64)), plain(ids, new_cache(plain, 64))) < 1e-4
+
+
 def test_saved_context_resumes_the_kda_states(hf_next, tmp_path):
     """generate --save-context / --load-context: a second engine resumes the rows, pooled keys and KDA states and
     decodes what the first would have."""
