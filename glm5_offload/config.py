@@ -191,6 +191,13 @@ def _indexer_types(f: _Fields, n_layers: int, attention: tuple[str, ...] = ()) -
     return tuple(types)
 
 
+def _conv_width(f: _Fields) -> int:
+    width = f.positive("linear_conv_kernel_dim")
+    if width < 2:
+        f.fail("linear_conv_kernel_dim", f"must be >= 2 (a short convolution over the last tokens), got {width}")
+    return width
+
+
 def _attention_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
     types = f.get("layer_types", list)
     names = {"deepseek_sparse_attention": "dsa", "linear_attention": "kda"}
@@ -291,7 +298,7 @@ def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str) -> ModelConfig:
         attention_types=attention,
         linear_num_heads=f.positive("linear_num_heads"),
         linear_head_dim=f.positive("linear_head_dim"),
-        linear_conv_kernel_dim=f.positive("linear_conv_kernel_dim"),
+        linear_conv_kernel_dim=_conv_width(f),
         linear_lower_bound=lower,
         index_kpool=kpool,
         index_select_tail=f.get("index_kpool_always_select_tail", bool, False),

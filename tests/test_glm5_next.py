@@ -61,6 +61,9 @@ def test_text_only_config_reads_under_model_prefix():
     ({"qk_rope_head_dim": 64}, "qk_rope_head_dim"),
     ({"index_topk": 2050}, "index_topk"),
     ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ({"hc_mult": 0}, "hc_mult"),
+    ({"index_kpool": 0}, "index_kpool"),
     ({"indexer_types": ["full"] * 3 + ["shared"] + ["full"] * 41}, "layer 3 is 'shared'"),
 ])
 def test_bad_fields_are_named(change, message):

@@ -121,13 +121,15 @@ class KDAOperator(Operator):
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """Weights; the recurrent state [H, D, D] fp32 and conv inputs [K-1, 3HD], twice; a prefill chunk's
-        [H, 64, 64, D] fp32 gate differences (the chunked reference), counted once."""
+        temporaries, counted once: the larger of the chunked reference's [H, 64, 64, D] gate differences and about
+        ten fp32 [tokens, H, D] tensors (q, k, v, gates and their transforms, fla-core's states every 64 tokens)."""
         c = ctx.config
         H, D = c.linear_num_heads, c.linear_head_dim
         state = H * D * D * 4 + (c.linear_conv_kernel_dim - 1) * 3 * H * D * ctx.dtype.itemsize
+        chunk = max(2 * H * CHUNK * CHUNK * D, 10 * ctx.prefill_chunk * H * D) * TEMPORARY_BYTES
         return super().memory(slot, ctx) + [
             Buffer(slot.device, "latent_kv", 2 * state, note=f"KDA state {human_bytes(state)}/layer (+ resume point)"),
-            Buffer(slot.device, "workspace", 2 * H * CHUNK * CHUNK * D * TEMPORARY_BYTES, shared=("KDA chunk",))]
+            Buffer(slot.device, "workspace", chunk, shared=("KDA chunk",))]
 
     def cache_note(self, slot: Slot, dtype: torch.dtype) -> tuple[str, str]:
         return "KDA state", f"fp32 recurrent state on {slot.device}, fixed size"
