@@ -3,9 +3,10 @@
     PYTHONPATH=.:bench python3 bench/bench_flash.py --dir /tmp/flash [--contexts 4096,131072] [--layers 2]
         [--kda-only] [--json FILE]
 
-KDA (real dims: 64 heads x 128, bf16 projections): fla-core's chunk_kda alone, our whole KDA layer (projections,
-convolutions, gates, chunk_kda, gated norm, o_proj: kda.fla) and the plain-torch chunked reference (kda.reference)
-on the same tokens; the decode step (fused_recurrent_kda) beside the bytes it must read (the state, twice).
+KDA (real dims: 64 heads x 128, bf16 projections): fla-core's chunk_kda alone (q, k normalised and the gate made
+inside, as kda.fla calls it), our whole KDA layer (projections, convolutions, chunk_kda, gated norm, o_proj) and the
+plain-torch reference (kda.reference's recurrence) on the same tokens; the decode step (fused_recurrent_kda) beside
+the bytes it must read (the state, twice).
 
 End to end: a checkpoint of GLM-5.3-Flash's dims (make-tiny --preset glm-5.3-flash, FP8 projections) with `layers`
 layers (one DSA layer last, the rest KDA, all MoE), placed by rules/glm5-flash.yaml; at each context `glm5 bench`'s
@@ -30,8 +31,8 @@ from glm5_offload.config import load_config
 from glm5_offload.formats.int_groups import nbytes
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 from glm5_offload.loader import load_model
-from glm5_offload.model import build_model
-from glm5_offload.model.kda import KDAState, kda_chunked, l2_normalise
+from glm5_offload.model import KDA, build_model
+from glm5_offload.model.kda import KDAState
 from glm5_offload.ops.kda_fla import FlaKDA, _fla_kda
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
@@ -63,32 +64,29 @@ def bench_kda(config, tokens: list[int]) -> list[dict]:
     rows = []
     for S in tokens:
         g = torch.Generator(device="cuda").manual_seed(S)
-        q = l2_normalise(torch.randn(S, H, D, device="cuda", generator=g)) * D**-0.5
-        k = l2_normalise(torch.randn(S, H, D, device="cuda", generator=g))
-        v = torch.randn(S, H, D, device="cuda", generator=g)
-        gate = -5 * torch.rand(S, H, D, device="cuda", generator=g)
+        q, k, v, logits = (torch.randn(S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
         beta = torch.rand(S, H, device="cuda", generator=g)
         state = torch.zeros(H, D, D, device="cuda")
         x = torch.randn(S, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
         cache = KDAState(config, torch.device("cuda"), torch.bfloat16)
-        fla_s = ceilings.time_ms(lambda: kda.chunk_kda(q[None], k[None], v[None], gate[None], beta[None], scale=1.0,
-                                                       initial_state=state[None], output_final_state=True),
-                                 iters=5) / 1e3
+        fla_s = ceilings.time_ms(lambda: kda.chunk_kda(
+            q[None], k[None], v[None], logits[None], beta[None], scale=D**-0.5, initial_state=state[None],
+            output_final_state=True, use_qk_l2norm_in_kernel=True, A_log=layer.A_log, dt_bias=layer.dt_bias,
+            use_gate_in_kernel=True, lower_bound=layer.lower_bound, safe_gate=True), iters=5) / 1e3
         layer_s = ceilings.time_ms(lambda: (cache.clear(), layer(x, cache)), iters=5) / 1e3
         row = {"tokens": S, "fla_chunk_kda_ms": fla_s * 1e3, "fla_tok_s": S / fla_s, "kda_layer_ms": layer_s * 1e3,
                "layer_tok_s": S / layer_s, "layer_over_kernel": layer_s / fla_s}
         if S <= 8192:  # the torch reference's [H, 64, 64, D] gate differences per chunk: slow, and quadratic in memory
-            ours = layer.recurrence(q, k, v, gate, beta, state)[0]
-            ref = kda_chunked(q, k, v, gate, beta, state)[0]
-            row["fla_vs_reference_rel_err"] = float((ours - ref).norm() / ref.norm())
-            row["reference_ms"] = ceilings.time_ms(lambda: kda_chunked(q, k, v, gate, beta, state), warmup=1, iters=1)
+            ours = layer.recurrence(q, k, v, logits, beta, state)[0]
+            ref = KDA.recurrence(layer, q, k, v, logits, beta, state)[0]
+            row["fla_vs_reference_rel_err"] = float((ours.float() - ref).norm() / ref.norm())
+            row["reference_ms"] = ceilings.time_ms(lambda: KDA.recurrence(layer, q, k, v, logits, beta, state),
+                                                   warmup=1, iters=1)
             row["fla_speedup_over_reference"] = row["reference_ms"] / row["fla_chunk_kda_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    one = [t[:1] for t in (q, k, v, gate, beta)]
-    step_s = ceilings.time_ms(lambda: kda.fused_recurrent_kda(*(t[None] for t in one), scale=1.0,
-                                                              initial_state=state[None], output_final_state=True),
-                              iters=50) / 1e3
+    one = [t[:1] for t in (q, k, v, logits, beta)]
+    step_s = ceilings.time_ms(lambda: layer.recurrence(*one, state), iters=50) / 1e3
     state_bytes = 2 * H * D * D * 4  # read and written once
     rows.append({"decode_step_us": step_s * 1e6, "state_gb_s": state_bytes / step_s / 1e9})
     print(json.dumps(rows[-1]), flush=True)

@@ -9,7 +9,7 @@ import torch
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import load_model
-from glm5_offload.model.kda import kda_chunked, kda_recurrent, l2_normalise
+from glm5_offload.model.kda import forget_decay, kda_chunked, kda_recurrent, l2_normalise
 from glm5_offload.model.pooled_indexer import PooledKeys, group_scores, pool
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
@@ -108,6 +108,14 @@ def test_pooled_keys_written_token_by_token_equal_those_written_at_once(hf_next,
     assert rel_err(at_once.groups[:complete], want) < 1e-6 and rel_err(by_token.groups[:complete], want) < 1e-6
     rest = n % kpool
     assert torch.equal(at_once.tail_keys[:rest], k[n - rest :]) and torch.equal(by_token.tail_keys[:rest], k[n - rest :])
+
+
+def test_forget_decay_is_in_its_bounds():
+    g = torch.Generator().manual_seed(3)
+    logits, A_log, dt_bias = 10 * torch.randn(7, 2, 4, generator=g), torch.randn(2, generator=g), torch.randn(8, generator=g)
+    bounded = forget_decay(logits, A_log, dt_bias, -5.0)
+    assert (bounded >= -5).all() and (bounded <= 0).all() and bounded.std() > 0.5  # saturates at the ends
+    assert (forget_decay(logits, A_log, dt_bias, None) <= 0).all()
 
 
 @pytest.mark.parametrize("kpool", [2, 16])
@@ -284,21 +292,24 @@ def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, t
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("length", [1, 300])
-def test_fla_kda_equals_the_reference_on_the_gpu(length):
-    """kda.fla's recurrence (fla-core: fused_recurrent_kda for one token, chunk_kda for more) against the plain-torch
-    one, at the real head dim."""
+@pytest.mark.parametrize("bound", [-5.0, None, -8.0])  # fla-core's bounded gate, its softplus gate, ours
+def test_fla_kda_equals_the_reference_on_the_gpu(length, bound):
+    """kda.fla's recurrence (fla-core: fused_recurrent_kda for one token, chunk_kda for more, q and k normalised
+    and the gate activated inside) against the plain-torch one, at the real head dim."""
+    from types import SimpleNamespace
+
+    from glm5_offload.model import KDA
     from glm5_offload.ops.kda_fla import FlaKDA
 
     g = torch.Generator(device="cuda").manual_seed(length)
     H, D = 8, 128
-    q = l2_normalise(torch.randn(length, H, D, device="cuda", generator=g)) * D**-0.5
-    k = l2_normalise(torch.randn(length, H, D, device="cuda", generator=g))
-    v = torch.randn(length, H, D, device="cuda", generator=g)
-    gate = -5 * torch.rand(length, H, D, device="cuda", generator=g)
+    q, k, v, logits = (torch.randn(length, H, D, device="cuda", generator=g) for _ in range(4))
     beta = torch.rand(length, H, device="cuda", generator=g)
     state = torch.randn(H, D, D, device="cuda", generator=g) * 0.1
-    o, s = FlaKDA.recurrence(None, q, k, v, gate, beta, state)
-    o_ref, s_ref = (kda_recurrent if length == 1 else kda_chunked)(q, k, v, gate, beta, state)
+    layer = SimpleNamespace(A_log=torch.randn(H, device="cuda", generator=g) * 0.5,
+                            dt_bias=torch.randn(H * D, device="cuda", generator=g) * 0.5, lower_bound=bound)
+    o, s = FlaKDA.recurrence(layer, q, k, v, logits, beta, state)
+    o_ref, s_ref = KDA.recurrence(layer, q, k, v, logits, beta, state)
     assert rel_err(o, o_ref) < 2e-3 and rel_err(s, s_ref) < 2e-3
 
 

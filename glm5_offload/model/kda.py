@@ -66,6 +66,16 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out, state
 
 
+def forget_decay(logits, A_log, dt_bias, lower_bound: float | None) -> torch.Tensor:
+    """The forget gate's log decay [S, H, D] fp32 from its logits [S, H, D]: lower_bound * sigmoid(e^A (logits +
+    dt_bias)) in (lower_bound, 0), or without a bound -e^A softplus(logits + dt_bias)."""
+    g = logits.float() + dt_bias.float().view(logits.shape[1:])
+    rate = A_log.float().exp()[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * g)
+    return -rate * F.softplus(g)
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
     """Depthwise causal convolution and SiLU, in fp32 (the taps are kept fp32): x [S, C], weight [C, K], past
     [K-1, C] (the inputs before x) -> [S, C] in x's dtype."""
@@ -129,16 +139,14 @@ class KDA(nn.Module):
         """The three convolutions' taps as one [3*H*D, K] (q, k, v channels in order)."""
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
 
-    def forget_gate(self, x) -> torch.Tensor:
-        """log decay g [S, H, D] fp32, in (lower_bound, 0)."""
-        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(x.shape[0], self.n_heads, -1)
-        rate = self.A_log.float().exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * g)
-        return -rate * F.softplus(g)
-
     def recurrence(self, q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The delta-rule recurrence (plain torch here; a fast operator overrides it): fp32 in, (o, new state)."""
+        """q, k, v [S, H, D] as the convolutions left them, g [S, H, D] the forget gate's logits (before dt_bias and
+        its activation), beta [S, H] fp32, state [H, D, D] fp32 -> (o [S, H, D], the new state). Plain torch: q and k
+        normalised (q scaled), the gate activated, then the recurrence (one token) or its chunked form, in fp32; a
+        fast operator does all of it in its kernels."""
+        q, k, v = (t.float() for t in (q, k, v))
+        q, k = l2_normalise(q) * q.shape[-1] ** -0.5, l2_normalise(k)
+        g = forget_decay(g, self.A_log, self.dt_bias, self.lower_bound)
         if q.shape[0] == 1:
             return kda_recurrent(q, k, v, g, beta, state)
         return kda_chunked(q, k, v, g, beta, state)
@@ -151,10 +159,10 @@ class KDA(nn.Module):
             mixed = causal_conv(qkv, self.conv_weight(), cache_state.conv)
             K1 = cache_state.conv.shape[0]
             cache_state.conv.copy_(torch.cat([cache_state.conv, qkv.to(cache_state.conv.dtype)])[-K1:])
-            q, k, v = (t.float().view(S, H, D) for t in mixed.split(H * D, dim=-1))
-            q, k = l2_normalise(q) * D**-0.5, l2_normalise(k)
+            q, k, v = (t.view(S, H, D) for t in mixed.split(H * D, dim=-1))
+            g = self.f_b_proj(self.f_a_proj(x)).view(S, H, D)
             beta = torch.sigmoid(self.b_proj(x).float())
-            o, state = self.recurrence(q, k, v, self.forget_gate(x), beta, cache_state.state)
+            o, state = self.recurrence(q, k, v, g, beta, cache_state.state)
             cache_state.state.copy_(state)
             gate = self.g_b_proj(self.g_a_proj(x)).view(S, H, D)
             return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(S, H * D))
