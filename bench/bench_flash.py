@@ -3,8 +3,8 @@
     PYTHONPATH=.:bench python3 bench/bench_flash.py --dir /tmp/flash [--contexts 4096,131072] [--layers 2]
         [--kda-only] [--json FILE]
 
-KDA (real dims: 64 heads x 128, bf16 projections): fla-core's chunk_kda alone (q, k normalised and the gate made
-inside, as kda.fla calls it), our whole KDA layer (projections, convolutions, chunk_kda, gated norm, o_proj) and the
+KDA (real dims: 64 heads x 128, bf16 projections): fla-core's chunk_kda alone (on normalised q, k and decays, as
+kda.fla calls it), our whole KDA layer (projections, convolutions, chunk_kda, gated norm, o_proj) and the
 plain-torch reference (kda.reference's recurrence) on the same tokens; the decode step (fused_recurrent_kda) beside
 the bytes it must read (the state, twice).
 
@@ -69,10 +69,10 @@ def bench_kda(config, tokens: list[int]) -> list[dict]:
         state = torch.zeros(H, D, D, device="cuda")
         x = torch.randn(S, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g)
         cache = KDAState(config, torch.device("cuda"), torch.bfloat16)
-        fla_s = ceilings.time_ms(lambda: kda.chunk_kda(
-            q[None], k[None], v[None], logits[None], beta[None], scale=D**-0.5, initial_state=state[None],
-            output_final_state=True, use_qk_l2norm_in_kernel=True, A_log=layer.A_log, dt_bias=layer.dt_bias,
-            use_gate_in_kernel=True, lower_bound=layer.lower_bound, safe_gate=True), iters=5) / 1e3
+        nq, nk, nv, decay = layer.prepare(q, k, v, logits)
+        fla_s = ceilings.time_ms(lambda: kda.chunk_kda(nq[None], nk[None], nv[None], decay[None], beta[None],
+                                                       scale=1.0, initial_state=state[None], output_final_state=True),
+                                 iters=5) / 1e3
         layer_s = ceilings.time_ms(lambda: (cache.clear(), layer(x, cache)), iters=5) / 1e3
         row = {"tokens": S, "fla_chunk_kda_ms": fla_s * 1e3, "fla_tok_s": S / fla_s, "kda_layer_ms": layer_s * 1e3,
                "layer_tok_s": S / layer_s, "layer_over_kernel": layer_s / fla_s}

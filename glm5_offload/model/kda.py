@@ -139,14 +139,18 @@ class KDA(nn.Module):
         """The three convolutions' taps as one [3*H*D, K] (q, k, v channels in order)."""
         return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
 
+    def prepare(self, q, k, v, g):
+        """The recurrence's inputs in fp32: q and k normalised (q scaled by D^-0.5), the gate logits made decays."""
+        q, k, v = (t.float() for t in (q, k, v))
+        return (l2_normalise(q) * q.shape[-1] ** -0.5, l2_normalise(k), v,
+                forget_decay(g, self.A_log, self.dt_bias, self.lower_bound))
+
     def recurrence(self, q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k, v [S, H, D] as the convolutions left them, g [S, H, D] the forget gate's logits (before dt_bias and
         its activation), beta [S, H] fp32, state [H, D, D] fp32 -> (o [S, H, D], the new state). Plain torch: q and k
         normalised (q scaled), the gate activated, then the recurrence (one token) or its chunked form, in fp32; a
         fast operator does all of it in its kernels."""
-        q, k, v = (t.float() for t in (q, k, v))
-        q, k = l2_normalise(q) * q.shape[-1] ** -0.5, l2_normalise(k)
-        g = forget_decay(g, self.A_log, self.dt_bias, self.lower_bound)
+        q, k, v, g = self.prepare(q, k, v, g)
         if q.shape[0] == 1:
             return kda_recurrent(q, k, v, g, beta, state)
         return kda_chunked(q, k, v, g, beta, state)
