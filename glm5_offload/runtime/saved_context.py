@@ -44,11 +44,6 @@ def _chunks(a: np.ndarray) -> list[memoryview]:
     return [flat[i : i + CHUNK] for i in range(0, len(flat), CHUNK)]
 
 
-def _crcs(a: np.ndarray) -> list[str]:
-    """The CRC-32 of each CHUNK bytes of a (8 hex digits), computed by the pool's threads."""
-    return [f"{c:08x}" for c in _pool.map(zlib.crc32, _chunks(a))]
-
-
 def _write_safetensors(path: Path, arrays: dict[str, np.ndarray], metadata: dict[str, str]):
     """A safetensors file written straight from the arrays' memory (safetensors.numpy.save_file copies each), the
     CRCs computed by the pool while the data is written: the header goes first with room for them, then again."""
@@ -151,11 +146,17 @@ def load_context(engine: Engine, path: str | Path) -> int:
         want = (n,) if target is None else tuple(target.shape)
         if arrays[name].shape != want or (target is not None and arrays[name].itemsize != target.element_size()):
             raise Glm5Error(f"{path}: tensor {name} has shape {arrays[name].shape}, expected {want}")
-        if _crcs(arrays[name]) != crc[name]:
-            raise Glm5Error(f"{path}: tensor {name} is corrupt (its CRC-32 differs from the one saved)")
-    ids = arrays["token_ids"].tolist()
-    if any(not 0 <= t < engine.model.config.vocab_size for t in ids):
+    chunks = [(name, chunk) for name in targets for chunk in _chunks(arrays[name])]  # every tensor's, checked at once
+    found: dict[str, list[str]] = {name: [] for name in targets}
+    for (name, _), c in zip(chunks, _pool.map(zlib.crc32, [chunk for _, chunk in chunks])):
+        found[name].append(f"{c:08x}")
+    corrupt = [name for name in targets if found[name] != crc[name]]
+    if corrupt:
+        raise Glm5Error(f"{path}: tensor {corrupt[0]} is corrupt (its CRC-32 differs from the one saved)")
+    ids = arrays["token_ids"]
+    if n and (ids.min() < 0 or ids.max() >= engine.model.config.vocab_size):
         raise Glm5Error(f"{path}: token ids outside the vocabulary")
+    ids = ids.tolist()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
         copies = []
