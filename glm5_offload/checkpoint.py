@@ -45,9 +45,10 @@ def model_name(config: ModelConfig, stored: str) -> str | None:
     `model.visual.*`). The text model's prefix (`model.language_model.` in GLM-5.3-Flash's release) reads as
     `model.`, and its hyper-connection tensors `hc_attn_fn` ... as `attn_hc.fn` ... (transformers' names)."""
     if config.text_prefix != "model.":
-        if not stored.startswith(config.text_prefix):
-            return stored if stored.startswith("lm_head.") else None
-        stored = "model." + stored.removeprefix(config.text_prefix)
+        if stored.startswith("model.visual."):
+            return None
+        if stored.startswith(config.text_prefix):
+            stored = "model." + stored.removeprefix(config.text_prefix)
     return _HYPER.sub(r".\1_hc.\2", stored)
 
 

@@ -344,3 +344,32 @@ def test_flash_rules_on_the_gpu_match_transformers(hf_next, tmp_path, layers, kp
         outputs[graphs] = engine.generate(ids.tolist(), 12).output_ids
         assert (engine.graphs is not None) == graphs
     assert outputs[True] == outputs[False]
+
+
+def test_bad_flash_checkpoints_are_named_as_stored(tmp_path):
+    """Errors name the release's tensor names (model.language_model.*, hc_attn_fn), not the model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from glm5_offload.tiny import make_tiny
+
+    good = make_tiny(tmp_path / "good", arch="glm5_next")
+    index = json.loads((good / "model.safetensors.index.json").read_text())
+    for change, message in (("drop", "missing tensor model.language_model.layers.0.hc_attn_fn"),
+                            ("extra", "unexpected tensor model.language_model.layers.0.bogus.weight")):
+        bad = tmp_path / change
+        shutil.copytree(good, bad)
+        shard = bad / index["weight_map"]["model.language_model.layers.0.hc_attn_fn"]
+        tensors = load_file(shard)
+        if change == "drop":
+            del tensors["model.language_model.layers.0.hc_attn_fn"]
+            weight_map = {k: v for k, v in index["weight_map"].items() if k != "model.language_model.layers.0.hc_attn_fn"}
+        else:
+            tensors["model.language_model.layers.0.bogus.weight"] = torch.zeros(2)
+            weight_map = {**index["weight_map"], "model.language_model.layers.0.bogus.weight": shard.name}
+        save_file(tensors, shard)
+        (bad / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
+        with pytest.raises(Glm5Error, match=message.replace(".", r"\.")) as e:
+            load_model(bad, dtype=torch.float32)
+        assert "\n" not in str(e.value)
