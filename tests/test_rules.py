@@ -206,7 +206,7 @@ def test_rules_show_on_shared_configs(tmp_path):
     assert "total on cpu: 1350.00 GiB" in out  # 75 x 256 x 3 x 6144 x 2048 bf16 weights
     assert "latent KV of layers {0-77}: bf16 rows on cuda" in out
     tiered = placement("glm-5.2", "glm5").table(torch.bfloat16)
-    assert ("latent KV of layers {0-77}: FP8 rows (656 B for GLM-5) in pinned host memory, a 8.00 MiB hot "
+    assert ("latent KV of layers {0-77}: FP8 rows (656 B) in pinned host memory, a 8.00 MiB hot "
             "buffer on cuda (the last 512 tokens + recently selected rows)") in tiered
     flagged = write(tmp_path, "- match: {class: Experts}\n  replace: {device: cpu}\n"
                               "- match: {name: 'no_such_module'}\n  replace: {device: cpu}\n")

@@ -11,7 +11,7 @@ from torch import nn
 from ..errors import Glm5Error
 from ..formats import dtype_name
 from ..formats.int_groups import BITS, GROUP, describe, nbytes
-from ..formats.kv_rows import key_bytes, latent_row_bytes
+from ..formats.kv_rows import fp8_row_width, key_bytes, latent_row_bytes
 from ..model import (
     KDA,
     MLP,
@@ -98,7 +98,9 @@ class AttentionOperator(Operator):
 
     def cache_note(self, slot: Slot, dtype: torch.dtype) -> tuple[str, str]:
         layout = self.layout(slot)
-        rows = "FP8 rows (656 B for GLM-5)" if layout.fp8 else f"{dtype_name(dtype)} rows"
+        attention = slot.module
+        rows = (f"FP8 rows ({fp8_row_width(attention.kv_lora_rank, attention.rope_dim)} B)" if layout.fp8
+                else f"{dtype_name(dtype)} rows")
         where = (f"in pinned host memory, a {human_bytes(layout.hot_bytes)} hot buffer on {slot.device} "
                  f"(the last {layout.window} tokens + recently selected rows)") if layout.offload else f"on {slot.device}"
         return "latent KV", f"{rows} {where}"
