@@ -116,9 +116,9 @@ _FP_FLAGS = ("contract", "reassoc", "nsz")  # as the numba kernels' fastmath: FM
 
 
 def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scale, float_acc=False):
-    """sum over groups g of (the group's accumulator lanes) x scale(g); step(acc, byte offset) adds `lanes` bytes'
-    products into the <acc_lanes x i32> accumulator (fp32 lanes with float_acc); group_bytes a multiple of lanes.
-    The lanes are summed once, at the end."""
+    """sum over groups g of (the group's accumulator lanes) x scale(g); step(acc, byte offset, the group's first
+    byte) adds `lanes` bytes' products into the <acc_lanes x i32> accumulator (fp32 lanes with float_acc);
+    group_bytes a multiple of lanes. The lanes are summed once, at the end."""
     f32v = ir.VectorType(ir.FloatType(), acc_lanes)
     accv = f32v if float_acc else ir.VectorType(ir.IntType(32), acc_lanes)
     total = cgutils.alloca_once_value(builder, ir.Constant(f32v, None))
@@ -129,7 +129,7 @@ def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scale, 
         base = builder.mul(groups.index, group_bytes)
         with cgutils.for_range(builder, steps) as inner:
             offset = builder.add(base, builder.mul(inner.index, ir.Constant(base.type, lanes)))
-            builder.store(step(builder.load(acc), offset), acc)
+            builder.store(step(builder.load(acc), offset, base), acc)
         lanes_f32 = builder.load(acc) if float_acc else builder.sitofp(builder.load(acc), f32v)
         scaled = builder.fmul(lanes_f32, _splat(builder, scale(groups.index), acc_lanes), flags=_FP_FLAGS)
         builder.store(builder.fadd(builder.load(total), scaled, flags=_FP_FLAGS), total)
@@ -152,14 +152,16 @@ def _fma(builder, acc, a, b):
     return builder.fadd(acc, builder.fmul(a, b, flags=_FP_FLAGS), flags=_FP_FLAGS)
 
 
-def _int4_step(builder, packed_ptr, i, lanes, group_bytes):
-    """`lanes` packed int4 bytes at byte offset i -> (low nibbles, high nibbles) as <lanes x i8> (0..15), and the
-    input offsets they multiply: group g's bytes start at g B (B = group_bytes), its inputs at 2 g B, the low
-    nibbles' half first, then the high ones' (int_groups' layout)."""
+def _int4_step(builder, packed_ptr, i, lanes, group_bytes, base):
+    """`lanes` packed int4 bytes at byte offset i of the group starting at byte `base` -> (low nibbles, high
+    nibbles) as <lanes x i8> (0..15), and the input offsets they multiply: group g's bytes start at g B (B =
+    group_bytes), its inputs at 2 g B, the low nibbles' half first, then the high ones' (int_groups' layout). The
+    group's start comes from the loop over groups: a division here, each step, cost the int4 kernels half their
+    speed."""
     b = _load_i8(builder, packed_ptr, i, lanes)
     low = builder.and_(b, ir.Constant(b.type, [15] * lanes))
     high = builder.lshr(b, ir.Constant(b.type, [4] * lanes))
-    lo_at = builder.add(i, builder.mul(builder.udiv(i, group_bytes), group_bytes))
+    lo_at = builder.add(i, base)
     return low, high, lo_at, builder.add(lo_at, group_bytes)
 
 
@@ -188,13 +190,13 @@ def _row_dot_f32(typingctx, row, scales, v, vsum):
             return _float_at(builder, sc_a, g)
 
         if not int4:
-            def step(acc, i):
+            def step(acc, i, base):
                 w = builder.sitofp(_load_i8(builder, row_a.data, i, 16), f32v)
                 return _fma(builder, acc, w, _load_f32(builder, v_a.data, i, 16))
             return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
 
-        def step(acc, i):
-            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, 16, group_bytes)
+        def step(acc, i, base):
+            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, 16, group_bytes, base)
             acc = _fma(builder, acc, builder.uitofp(low, f32v), _load_f32(builder, v_a.data, lo_at, 16))
             return _fma(builder, acc, builder.uitofp(high, f32v), _load_f32(builder, v_a.data, hi_at, 16))
         dot = _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
@@ -214,7 +216,7 @@ def _row_dot_i8q(typingctx, row, scales, vq, vs):
         row_a, sc_a, vq_a, vs_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
         group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)
 
-        def step(acc, i):
+        def step(acc, i, base):
             return builder.add(acc, _pairwise_products(builder, _load_i8(builder, row_a.data, i, 32),
                                                        _load_i8(builder, vq_a.data, i, 32)))
 
@@ -236,8 +238,8 @@ def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
                                           for t, v in zip(signature.args, args))
         group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)  # half a group of inputs
 
-        def halves(acc, i, lanes, combine):
-            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, lanes, group_bytes)
+        def halves(acc, i, base, lanes, combine):
+            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, lanes, group_bytes, base)
             acc = combine(acc, low, _load_i8(builder, vq_a.data, lo_at, lanes))
             return combine(acc, high, _load_i8(builder, vq_a.data, hi_at, lanes))
 
@@ -252,14 +254,14 @@ def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
             with builder.if_else(wide) as (then, otherwise):
                 with then:
                     builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 64, 16,
-                                               lambda acc, i: halves(acc, i, 64, quads), scale), result)
+                                               lambda acc, i, base: halves(acc, i, base, 64, quads), scale), result)
                 with otherwise:
                     builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 4,
-                                               lambda acc, i: halves(acc, i, 16, quads), scale), result)
+                                               lambda acc, i, base: halves(acc, i, base, 16, quads), scale), result)
         else:
             pairs = lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8))  # noqa: E731
             builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 8,
-                                       lambda acc, i: halves(acc, i, 16, pairs), scale), result)
+                                       lambda acc, i, base: halves(acc, i, base, 16, pairs), scale), result)
         return _minus_offset_8(builder, builder.load(result), sc_a.nitems, scale,
                                lambda g: builder.sitofp(builder.load(builder.gep(sum_a.data, [g])), ir.FloatType()))
     return types.float32(row, scales, vq, vs, vsum), codegen
