@@ -138,6 +138,9 @@ def test_pooled_scores_in_the_indexer_kernel_equal_the_reference(kpool):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     assert rel_err(got[finite], want[finite]) < 1e-5
+    few = positions[:2]  # fewer tokens than a group: no group to score
+    assert TritonPooledIndexer.scores(SimpleNamespace(kpool=kpool), q[:2], cache, weights[:2], few,
+                                      kpool - 1).shape == (2, 0)
 
 
 @pytest.mark.parametrize("layers, kpool", CASES)
