@@ -6,7 +6,7 @@ field is a Glm5Error naming the file and the field.
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -216,6 +216,17 @@ def _mlp_layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
     return tuple(["dense"] * n_dense + ["moe"] * (n_layers - n_dense))
 
 
+def _eos_ids(f: _Fields) -> list[int]:
+    eos = f.raw.get("eos_token_id")
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        eos = [eos]
+    if eos is None:
+        eos = []
+    if not isinstance(eos, list) or any(not isinstance(e, int) or isinstance(e, bool) for e in eos):
+        f.fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+    return eos
+
+
 def _rope(f: _Fields) -> RopeConfig:
     if f.raw.get("rope_parameters") is not None:
         field, params = "rope_parameters", dict(f.get("rope_parameters", dict))
@@ -333,13 +344,7 @@ def _parse(f: _Fields, model_type: str, extra: dict | None = None) -> ModelConfi
     top_k = f.positive("num_experts_per_tok")
     if top_k > n_experts // n_group * topk_group:
         f.fail("num_experts_per_tok", f"{top_k} is more than the {topk_group} kept groups hold")
-    eos = f.raw.get("eos_token_id")
-    if isinstance(eos, int) and not isinstance(eos, bool):
-        eos = [eos]
-    if eos is None:
-        eos = []
-    if not isinstance(eos, list) or any(not isinstance(e, int) or isinstance(e, bool) for e in eos):
-        f.fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+    eos = _eos_ids(f)
     dtype = f.get("dtype", str, None) or f.get("torch_dtype", str, "bfloat16")
     if dtype not in DTYPES:
         f.fail("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -403,4 +408,16 @@ def load_config(path: str | Path) -> ModelConfig:
         raise Glm5Error(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise Glm5Error(f"{path}: must hold a JSON object, got {type(raw).__name__}")
-    return parse_config(raw, str(path))
+    config = parse_config(raw, str(path))
+    generation = path.parent / "generation_config.json"
+    if not generation.is_file():
+        return config
+    # the end-of-turn ids a release may keep only here (transformers' generate stops at them): added to config.json's
+    try:
+        extra = json.loads(generation.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Glm5Error(f"{generation}: not valid JSON ({e})") from None
+    if not isinstance(extra, dict):
+        raise Glm5Error(f"{generation}: must hold a JSON object, got {type(extra).__name__}")
+    eos = tuple(dict.fromkeys([*config.eos_token_ids, *_eos_ids(_Fields(extra, str(generation)))]))
+    return replace(config, eos_token_ids=eos)

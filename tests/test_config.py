@@ -129,3 +129,21 @@ def test_old_rope_layout():
                                                 "mscale": 1.0, "mscale_all_dim": 1.0})
     c = parse_config(data)
     assert c.rope.type == "yarn" and c.rope.theta == 10000 and c.rope.factor == 40
+
+
+def test_generation_config_adds_its_end_of_turn_ids(tmp_path):
+    """A release may keep its eos ids in generation_config.json only (transformers' generate stops at them)."""
+    raw = json.loads(open(load_config("glm-5.3-flash").path).read())
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).eos_token_ids == ()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [154820, 154827, 154829]}))
+    assert load_config(tmp_path).eos_token_ids == (154820, 154827, 154829)
+    raw["eos_token_id"] = 154827
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_config(tmp_path).eos_token_ids == (154827, 154820, 154829)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "end"}')
+    with pytest.raises(Glm5Error, match="generation_config.json: field 'eos_token_id' must be an integer or a list"):
+        load_config(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1,')
+    with pytest.raises(Glm5Error, match="generation_config.json: not valid JSON"):
+        load_config(tmp_path)
