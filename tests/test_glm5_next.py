@@ -10,7 +10,7 @@ from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import load_model
 from glm5_offload.model.kda import forget_decay, kda_chunked, kda_recurrent, l2_normalise
-from glm5_offload.model.pooled_indexer import PooledKeys, group_scores, pool
+from glm5_offload.model.pooled_indexer import PooledIndexer, PooledKeys, pool
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
@@ -118,10 +118,20 @@ def test_forget_decay_is_in_its_bounds():
     assert (forget_decay(logits, A_log, dt_bias, None) <= 0).all()
 
 
+def group_scores(q, group_keys, weights, positions, kpool: int):
+    """score[s, g] = sum_h w[s,h] relu(q[s,h] . key_g) D^-0.5; -inf for groups not complete at positions[s]:
+    transformers' pooled scores, written out."""
+    logits = torch.einsum("shd,gd->shg", q.float(), group_keys.float()) * q.shape[-1] ** -0.5
+    scores = torch.einsum("sh,shg->sg", weights, torch.relu(logits))
+    complete = (torch.arange(group_keys.shape[0], device=q.device)[None, :] + 1) * kpool <= positions[:, None] + 1
+    return scores.masked_fill(~complete, float("-inf"))
+
+
+@pytest.mark.parametrize("indexer", ["reference", "dsa_triton"])
 @pytest.mark.parametrize("kpool", [2, 16])
-def test_pooled_scores_in_the_indexer_kernel_equal_the_reference(kpool):
-    """pooled_indexer.dsa_triton: the group scores through the indexer's Triton kernel (its causal mask at the
-    query's last complete group), against group_scores."""
+def test_pooled_scores_equal_the_written_out_form(kpool, indexer):
+    """PooledIndexer.scores and pooled_indexer.dsa_triton's (the lightning indexer's scores and its Triton kernel,
+    their causal mask at the query's last complete group) against the group scores written out."""
     from types import SimpleNamespace
 
     from glm5_offload.ops.dsa_triton import TritonPooledIndexer
@@ -133,14 +143,14 @@ def test_pooled_scores_in_the_indexer_kernel_equal_the_reference(kpool):
     q = torch.randn(S, H, D, generator=g).to(device)
     weights = torch.randn(S, H, generator=g).to(device)
     positions = torch.tensor([0, kpool - 2, kpool - 1, 77, end - 1]).clamp(min=0).to(device)
-    got = TritonPooledIndexer.scores(SimpleNamespace(kpool=kpool), q, cache, weights, positions, end)
+    scores = (PooledIndexer if indexer == "reference" else TritonPooledIndexer).scores
+    got = scores(SimpleNamespace(kpool=kpool), q, cache, weights, positions, end)
     want = group_scores(q, cache.groups[: end // kpool], weights, positions, kpool)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     assert rel_err(got[finite], want[finite]) < 1e-5
     few = positions[:2]  # fewer tokens than a group: no group to score
-    assert TritonPooledIndexer.scores(SimpleNamespace(kpool=kpool), q[:2], cache, weights[:2], few,
-                                      kpool - 1).shape == (2, 0)
+    assert scores(SimpleNamespace(kpool=kpool), q[:2], cache, weights[:2], few, kpool - 1).shape == (2, 0)
 
 
 @pytest.mark.parametrize("layers, kpool", CASES)

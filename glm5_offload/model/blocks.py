@@ -111,7 +111,6 @@ class Experts(nn.ModuleList):
     def __init__(self, config: ModelConfig):
         super().__init__(MLP(config.hidden_size, config.moe_intermediate_size, config.swiglu_limit)
                          for _ in range(config.n_routed_experts))
-        self.limit = config.swiglu_limit
 
     def prepare(self, tokens: int, device: torch.device):
         """A forward of `tokens` tokens on `device` starts (nothing to get ready here)."""

@@ -17,6 +17,7 @@ from .glm_moe_dsa import Backbone as DsaBackbone
 from .glm_moe_dsa import CausalLM as DsaCausalLM
 from .kda import KDA
 from .mla import Attention
+from .pooled_indexer import PooledIndexer
 from .steps import Pass
 
 
@@ -61,7 +62,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = KDA(config, layer) if config.attention_type(layer) == "kda" else Attention(config, layer)
+        self.self_attn = (KDA(config, layer) if config.attention_type(layer) == "kda"
+                          else Attention(config, layer, PooledIndexer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.mlp_layer_types[layer] == "moe"
         self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)

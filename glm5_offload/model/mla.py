@@ -16,7 +16,6 @@ from ..config import ModelConfig
 from ..formats.kv_rows import FP8Keys, dequantize_keys, dequantize_latent, quantize_keys
 from ..util import span
 from .blocks import Linear, RMSNorm
-from .pooled_indexer import PooledIndexer
 from .rope import apply_rope
 
 SCORE_BUDGET = 1 << 26  # queries per chunk are bounded so that heads x queries x keys scores stay near this many
@@ -139,7 +138,8 @@ def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
 class Attention(nn.Module):
     """MLA with a latent-only cache; DSA selects the rows each query attends to."""
 
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, indexer: type = Indexer):
+        """indexer: the class of a full layer's indexer (GLM-5.3-Flash's family passes its pooled one)."""
         super().__init__()
         self.layer = layer
         self.n_heads = config.num_attention_heads
@@ -154,7 +154,6 @@ class Attention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
-        indexer = PooledIndexer if config.model_type == "glm5_next" else Indexer
         self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
 

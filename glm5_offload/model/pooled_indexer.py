@@ -17,8 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .blocks import Linear
-
-SCORE_BUDGET = 1 << 26  # queries per scoring call: heads x queries x groups stay near this many
+from .mla import SCORE_BUDGET, indexer_scores
 
 
 @dataclass(frozen=True)
@@ -43,15 +42,10 @@ def pool(keys, gates, ape, valid):
     return (logits.softmax(dim=-2).to(keys.dtype) * keys).sum(-2)
 
 
-def group_scores(q, group_keys, weights, positions, kpool: int):
-    """score[s, g] = sum_h w[s,h] relu(q[s,h] . key_g) D^-0.5; -inf for groups not complete at positions[s].
-
-    q [S, H, D], group_keys [G, D], weights [S, H] fp32, positions [S] -> [S, G] fp32."""
-    G = group_keys.shape[0]
-    logits = torch.einsum("shd,gd->shg", q.float(), group_keys.float()) * q.shape[-1] ** -0.5
-    scores = torch.einsum("sh,shg->sg", weights, F.relu(logits))
-    complete = (torch.arange(G, device=q.device)[None, :] + 1) * kpool <= positions[:, None] + 1
-    return scores.masked_fill(~complete, float("-inf"))
+def last_complete_group(positions, kpool: int):
+    """The last group complete at each of positions [S] (-1: none yet): group g's tokens end at (g + 1) kpool - 1,
+    so the indexer's causal mask at these positions keeps exactly the complete groups."""
+    return positions.add(1).div(kpool, rounding_mode="floor") - 1
 
 
 def selected_tokens(scores, positions, n_groups: int, kpool: int, tail: bool):
@@ -116,8 +110,9 @@ class PooledIndexer(nn.Module):
         cache.tail_gates[:rest] = gates[gates.shape[0] - rest :]
 
     def scores(self, q, cache: PooledKeys, weights, positions, end: int):
-        """Group scores [S, end // kpool] (plain torch here; a fast operator may override it)."""
-        return group_scores(q, cache.groups[: end // self.kpool], weights, positions, self.kpool)
+        """Group scores [S, end // kpool]: the lightning indexer's (mla.indexer_scores) over the group keys, -inf for
+        groups not complete at the query (plain torch here; a fast operator may override it)."""
+        return indexer_scores(q, cache.groups[: end // self.kpool], weights, last_complete_group(positions, self.kpool))
 
     def forward(self, x, qr, cos, sin, cache: PooledKeys, positions, end: int):
         """x [S, hidden], qr [S, q_lora] of the tokens at positions [S]; cache: this layer's PooledKeys; end >= the

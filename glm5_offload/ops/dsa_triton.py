@@ -8,8 +8,8 @@ and quantised by one kernel straight into the cache rows.
 
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton
-from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer
-from ..model.pooled_indexer import group_scores
+from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, indexer_scores
+from ..model.pooled_indexer import last_complete_group
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
 
 DEVICES = ("cuda", "cpu") if INTERPRET else ("cuda",)  # the CPU only in Triton's interpreter (the tests)
@@ -35,12 +35,12 @@ class TritonIndexer(Indexer):
 
 class TritonPooledIndexer(PooledIndexer):
     def scores(self, q, cache, weights, positions, end):
-        """The indexer kernel over the group keys: group g is complete at position p when g <= (p + 1) / kpool - 1,
-        which is the kernel's causal mask with that as the query's position."""
+        """The indexer kernel over the group keys, its causal mask at each query's last complete group."""
         groups = cache.groups[: end // self.kpool]
+        last = last_complete_group(positions, self.kpool)
         if not groups.shape[0]:  # fewer tokens than a group: nothing to score (no empty launch)
-            return group_scores(q, groups, weights, positions, self.kpool)
-        return dsa_triton.indexer_scores(q, groups, weights, positions.add(1).div(self.kpool, rounding_mode="floor") - 1)
+            return indexer_scores(q, groups, weights, last)
+        return dsa_triton.indexer_scores(q, groups, weights, last)
 
 
 class TritonAttention(Attention):
