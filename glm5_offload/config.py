@@ -274,16 +274,16 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
     f = _Fields(raw, path)
     model_type = f.get("model_type", str)
     if model_type == "glm5_next_text":  # the text model's config on its own: its tensors under "model."
-        return _parse_glm5_next(f, f, "model.")
+        return _parse_glm5_next(f, f, "model.", path)
     if model_type not in MODEL_TYPES:
         f.fail("model_type", f"is {model_type!r}; supported: {', '.join(MODEL_TYPES)} (and glm5_next_text)")
     if model_type == "glm5_next":
         text = _Fields(f.get("text_config", dict), f"{path}: text_config")
-        return _parse_glm5_next(text, f, TEXT_PREFIX[model_type])
-    return _parse(f, model_type)
+        return _parse_glm5_next(text, f, TEXT_PREFIX[model_type], path)
+    return _parse(f, model_type, path)
 
 
-def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str) -> ModelConfig:
+def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str, path: str) -> ModelConfig:
     """GLM-5.3-Flash: the text model of the multimodal config (text_config), or a text-only config."""
     n_layers = f.positive("num_hidden_layers")
     attention = _attention_types(f, n_layers)
@@ -305,7 +305,7 @@ def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str) -> ModelConfig:
             merged[key] = outer.raw[key]
     merged.setdefault("num_nextn_predict_layers", 1)  # the release may store an MTP layer after the last (unused)
     g = _Fields(merged, f.path)
-    return _parse(g, "glm5_next", extra=dict(
+    return _parse(g, "glm5_next", path, extra=dict(
         attention_types=attention,
         linear_num_heads=f.positive("linear_num_heads"),
         linear_head_dim=f.positive("linear_head_dim"),
@@ -321,7 +321,7 @@ def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str) -> ModelConfig:
     ))
 
 
-def _parse(f: _Fields, model_type: str, extra: dict | None = None) -> ModelConfig:
+def _parse(f: _Fields, model_type: str, path: str, extra: dict | None = None) -> ModelConfig:
     extra = extra or {}
     attention = extra.get("attention_types", ())
     for field, want in (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
@@ -349,7 +349,7 @@ def _parse(f: _Fields, model_type: str, extra: dict | None = None) -> ModelConfi
     if dtype not in DTYPES:
         f.fail("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return ModelConfig(
-        path=f.path.split(": ")[0],
+        path=path,
         model_type=model_type,
         vocab_size=f.positive("vocab_size"),
         hidden_size=f.positive("hidden_size"),
@@ -393,6 +393,16 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in presets.iterdir() if p.name.endswith(".json"))
 
 
+def _json_object(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise Glm5Error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise Glm5Error(f"{path}: must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Load config.json from a model directory, a file, or a shipped preset name (glm-5, glm-5.2, ...)."""
     path = Path(path)
@@ -402,22 +412,10 @@ def load_config(path: str | Path) -> ModelConfig:
         path = Path(str(resources.files("glm5_offload") / "presets" / f"{path}.json"))
     if not path.is_file():
         raise Glm5Error(f"{path}: no such config file (or preset: {', '.join(preset_names())})")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Glm5Error(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise Glm5Error(f"{path}: must hold a JSON object, got {type(raw).__name__}")
-    config = parse_config(raw, str(path))
+    config = parse_config(_json_object(path), str(path))
     generation = path.parent / "generation_config.json"
     if not generation.is_file():
         return config
     # the end-of-turn ids a release may keep only here (transformers' generate stops at them): added to config.json's
-    try:
-        extra = json.loads(generation.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Glm5Error(f"{generation}: not valid JSON ({e})") from None
-    if not isinstance(extra, dict):
-        raise Glm5Error(f"{generation}: must hold a JSON object, got {type(extra).__name__}")
-    eos = tuple(dict.fromkeys([*config.eos_token_ids, *_eos_ids(_Fields(extra, str(generation)))]))
-    return replace(config, eos_token_ids=eos)
+    extra = _eos_ids(_Fields(_json_object(generation), str(generation)))
+    return replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *extra])))
