@@ -4,8 +4,12 @@ the time it takes to read them instead of prefilling again.
 One safetensors file (never pickle), written under a temporary name and renamed (a crash leaves no half file):
     token_ids        [n] int32, the tokens whose rows the cache holds
     latent.L         [n, width] layer L's latent rows as stored (uint8 FP8 rows, or the model dtype's bits as uint16)
-    keys.L           [n, index_head_dim] a full layer's indexer keys as stored (e4m3 bytes, or uint16 bits)
+    keys.L           [n, index_head_dim] a full layer's indexer keys as stored (e4m3 bytes, or uint16 bits); with
+                     GLM-5.3-Flash's pooled indexer one key per group of index_kpool tokens
     key_scales.L     [n] fp32, with FP8 keys
+    kda.L.state, kda.L.conv, tail_keys.L, tail_gates.L
+                     the fixed-size states (GLM-5.3-Flash): a KDA layer's recurrent state and last conv inputs, a
+                     pooled indexer's current group (KVCache.states)
 and in its metadata the format and version, the model's identity (config.json's sha256, the weights' fingerprint:
 file names, sizes and times), the cache's form (each layer's row form) and a CRC-32 of every 64 MiB of every tensor.
 The arrays are written straight from the cache's memory (no copy) while a pool of threads computes the CRCs.
