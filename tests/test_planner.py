@@ -171,3 +171,18 @@ def test_the_default_placement_fits_a_24gib_gpu(preset, tokens):
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert figures["fits"] and figures["devices"]["cuda"]["total"] <= 23 * GiB  # a GiB of headroom at least
     assert figures["largest_context"] >= tokens
+
+
+def test_flash_at_1m_tokens_fits_24_gib_with_its_states_and_pooled_keys():
+    """glm5-flash.yaml at 1,048,576 tokens: the 11 DSA layers' 528-byte FP8 rows on the host, their hot buffers and
+    slots on the GPU; 16 bytes of pooled indexer keys a token; each of the 34 KDA layers a fixed state (fp32 64 x 128
+    x 128 and the conv inputs), twice (the resume point)."""
+    config, placement = placed("glm-5.3-flash", "glm5-flash")
+    n = 1 << 20
+    p = make_plan(config, placement, n, {"cuda": 24 * GiB, "cpu": 256 * GiB})
+    cpu, cuda = device(p, "cpu"), device(p, "cuda")
+    assert p.fits and cuda.total < 24 * GiB
+    assert cpu.latent_kv == 11 * 528 * n
+    state = 64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2
+    assert cuda.latent_kv == 34 * 2 * state + 11 * (8 * 2**20 + 4 * n) + (528 + 512 * 2) * 2**18
+    assert cuda.indexer_keys == 11 * 16 * n
