@@ -16,7 +16,7 @@ import torch
 import triton
 
 from glm5_offload.formats.kv_rows import quantize_keys, quantize_latent
-from glm5_offload.kernels import dsa_triton
+from glm5_offload.kernels import dsa_triton, topk_triton
 from glm5_offload.model import indexer_scores, sparse_mla
 
 import ceilings
@@ -34,11 +34,11 @@ def indexer_inputs(S, T, fp8=False):
     return q, keys, w, {}, T * D_IDX * 2 + S * T * 4
 
 
-def indexer_case(S, T, fp8=False):
+def indexer_case(S, T, fp8=False, q_fp8=None):
     """(eager ms, CUDA-graph ms or None, torch ms or None, bytes, flops)."""
     q, keys, w, kw, nbytes = indexer_inputs(S, T, fp8)
     positions = torch.arange(T - S, T, device="cuda")
-    run = lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw)  # noqa: E731
+    run = lambda: dsa_triton.indexer_scores(q, keys, w, positions, q_fp8=q_fp8, **kw)  # noqa: E731
     ms = ceilings.time_ms(run)
     graph = ceilings.graph_ms(run) if S <= 4 else None
     ref_ms = None
@@ -148,6 +148,56 @@ def prefill_sweep() -> dict:
     return out
 
 
+def indexer_prefill_fp8(table: list, mm: float) -> dict:
+    """Indexer prefill over FP8 keys: bf16 queries (bf16 dots) against e4m3 queries (FP8 dots), 2048 queries, and
+    how many of each row's top-2048 the two agree on."""
+    rows = {}
+    for T in (16384, 131072):
+        for q_fp8 in (False, True):
+            ms, _, _, _, flops = indexer_case(2048, T, fp8=True, q_fp8=q_fp8)
+            rows[f"indexer_prefill_fp8keys_{'fp8q' if q_fp8 else 'bf16q'}_2048x{T}"] = {"ms": ms,
+                                                                                      "tflops": flops / ms / 1e9}
+        bf16q, fp8q = (rows[f"indexer_prefill_fp8keys_{n}_2048x{T}"]["tflops"] for n in ("bf16q", "fp8q"))
+        table.append((f"indexer prefill 2048 x {T}, FP8 keys", f"bf16 queries {bf16q:.0f} TFLOP/s, FP8 queries "
+                      f"{fp8q:.0f} TFLOP/s = {fp8q / bf16q:.2f}x ({fp8q / mm:.0%} of the bf16 matmul)"))
+    q, keys, w, kw, _ = indexer_inputs(2048, 131072, fp8=True)
+    positions = torch.arange(131072 - 2048, 131072, device="cuda")
+    picked = [topk_triton.topk_indices(dsa_triton.indexer_scores(q, keys, w, positions, q_fp8=q_fp8, **kw), TOPK)
+              for q_fp8 in (False, True)]
+    offsets = torch.arange(2048, device="cuda")[:, None] * 131072  # each row's positions apart from the others'
+    overlap = torch.isin(picked[0] + offsets, picked[1] + offsets).float().mean(1)
+    rows["indexer_fp8q_topk_overlap"] = {"mean": overlap.mean().item(), "min": overlap.min().item(),
+                                         "rows_equal": (overlap == 1).float().mean().item()}
+    table.append(("top-2048 of FP8-query scores vs bf16-query scores (2048 rows of 131072)",
+                  f"mean overlap {overlap.mean():.4f}, min {overlap.min():.4f}, rows equal {(overlap == 1).float().mean():.1%}"))
+    return rows
+
+
+def topk(table: list, hbm: float) -> dict:
+    """Top-2048 of 1M-wide rows (a 2^20 bucket, its last 48,576 positions masked): torch.topk beside the radix
+    select (kernels/topk_triton.py), each from a CUDA graph; the radix select also per call in a stream of 8 rows."""
+    rows = {}
+    scores = torch.randn(16, 1 << 20, device="cuda")
+    scores[:, 1_000_000:] = float("-inf")
+    one = scores[:1]
+    want = set(one.topk(TOPK).indices[0].tolist())
+    rows["topk_triton_equal_set"] = set(topk_triton.topk_indices(one, TOPK)[0].tolist()) == want
+    rows["topk_torch_1m_us"] = ceilings.graph_ms(lambda: one.topk(TOPK)) * 1e3
+    rows["topk_triton_1m_us"] = ceilings.graph_ms(lambda: topk_triton.topk_indices(one, TOPK)) * 1e3
+    rows["topk_triton_1m_stream_us"] = ceilings.stream_ms(
+        [lambda i=i: topk_triton.topk_indices(scores[i : i + 1], TOPK) for i in range(8)]) * 1e3
+    rows["topk_torch_16x1m_us"] = ceilings.graph_ms(lambda: scores.topk(TOPK)) * 1e3
+    rows["topk_triton_16x1m_us"] = ceilings.graph_ms(lambda: topk_triton.topk_indices(scores, TOPK)) * 1e3
+    read = 6 * 4 * (1 << 20) / hbm / 1e3  # six reads of a row: the four passes, the count, the write
+    table.append(("top-k 2048 of one 1M row", f"radix select {rows['topk_triton_1m_us']:.1f} us from a graph, "
+                  f"{rows['topk_triton_1m_stream_us']:.1f} us a call in a stream (six reads of the row at the copy "
+                  f"bandwidth: {read:.1f} us); torch.topk {rows['topk_torch_1m_us']:.0f} us; same set: "
+                  f"{rows['topk_triton_equal_set']}"))
+    table.append(("top-k 2048 of 16 1M rows", f"radix select {rows['topk_triton_16x1m_us']:.0f} us, torch.topk "
+                  f"{rows['topk_torch_16x1m_us']:.0f} us"))
+    return rows
+
+
 def main(sweep: bool = False):
     hbm, mm = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
     rows = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": mm}
@@ -166,9 +216,8 @@ def main(sweep: bool = False):
     rows["indexer_prefill_2048x16384"] = {"ms": ms, "tflops": flops / ms / 1e9, "ref_ms": ref}
     table.append(("indexer prefill 2048 x 16384", f"{ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s = "
                   f"{flops / ms / 1e9 / mm:.0%} of matmul (torch {ref:.1f} ms)"))
-    row = torch.randn(1048576, device="cuda")
-    rows["topk_torch_1m_us"] = ceilings.graph_ms(lambda: row.topk(TOPK)) * 1e3
-    table.append(("top-k 2048 of one 1M row", f"torch.topk {rows['topk_torch_1m_us']:.0f} us from a graph"))
+    rows.update(indexer_prefill_fp8(table, mm))
+    rows.update(topk(table, hbm))
     for fp8 in (False, True):
         for S in (1, 32):
             ms, graph, ref, _ = mla_case(S, 131072, fp8)
@@ -183,7 +232,7 @@ def main(sweep: bool = False):
     prefill_fp8, prefill_table = mla_prefill_fp8()
     rows.update(prefill_fp8)
     table += prefill_table
-    per_full = rows["indexer_decode_fp8_1048576"]["graph_us"] + rows["topk_torch_1m_us"]
+    per_full = rows["indexer_decode_fp8_1048576"]["graph_us"] + rows["topk_triton_1m_us"]
     mla = rows["sparse_mla_decode_fp8_b1"]["graph_us"]
     glm5, glm52 = 78 * (per_full + mla), 21 * per_full + 78 * mla
     rows["attention_per_token_1m_us"] = {"glm5_all_full": glm5, "glm52_freq4": glm52, "ratio": glm5 / glm52}

@@ -2,6 +2,10 @@
 F.linear (the reference operator's path) and the hardware ceilings measured in the same run: decode GEMVs as GB/s of
 the weights' bytes and a fraction of the HBM copy bandwidth; prefill GEMMs as TFLOP/s against torch's bf16 matmul.
 
+Decode figures are per call in a stream: one CUDA graph runs the call on enough copies of the weights (>= 1 GiB in
+all) that none is in L2 when read again, twice over, as a decode step runs its layers; "alone" is one call replayed
+from a graph of its own (the graph's launch included).
+
     PYTHONPATH=.:bench python3 bench/bench_linear.py [--json FILE] [--sweep]
 """
 
@@ -30,20 +34,45 @@ def weights(n: int, k: int):
     return w.bfloat16(), (w8, s8), (torch.from_numpy(values).cuda(), torch.from_numpy(s4).cuda())
 
 
+STREAM_BYTES = 1 << 30
+
+
+def copies(n: int, k: int) -> list:
+    """Distinct weight sets of one shape, >= STREAM_BYTES of int4 weights in all (at most 64)."""
+    count = min(64, -(-STREAM_BYTES // int_groups.nbytes(n * k, "int4", 128)))
+    return [weights(n, k) for _ in range(count)]
+
+
+def decode_calls(fmt: str, x, sets):
+    if fmt == "bf16":
+        return [lambda w16=w16: F.linear(x, w16) for w16, _, _ in sets]
+    if fmt == "fp8":
+        return [lambda w8=w8, s8=s8: linear_triton.fp8_linear(x, w8, s8) for _, (w8, s8), _ in sets]
+    return [lambda w4=w4, s4=s4: linear_triton.int4_linear(x, w4, s4, 128) for _, _, (w4, s4) in sets]
+
+
 def decode(hbm: float, rows: int) -> list[dict]:
     out = []
     for name, n, k in SHAPES:
-        w16, (w8, s8), (w4, s4) = weights(n, k)
+        sets = copies(n, k)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        figures = {"shape": name, "rows": rows}
-        for fmt, fn, nbytes in [("bf16", lambda: F.linear(x, w16), n * k * 2),
-                                ("fp8", lambda: linear_triton.fp8_linear(x, w8, s8), fp8_blocks.nbytes((n, k))),
-                                ("int4", lambda: linear_triton.int4_linear(x, w4, s4, 128),
-                                 int_groups.nbytes(n * k, "int4", 128))]:
-            ms = ceilings.graph_ms(fn)
-            figures[fmt] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6, "of_hbm": nbytes / ms / 1e6 / hbm}
+        figures = {"shape": name, "rows": rows, "copies": len(sets)}
+        for fmt, nbytes in [("bf16", n * k * 2), ("fp8", fp8_blocks.nbytes((n, k))),
+                            ("int4", int_groups.nbytes(n * k, "int4", 128))]:
+            calls = decode_calls(fmt, x, sets)
+            ms, alone = ceilings.stream_ms(calls), ceilings.graph_ms(calls[0])
+            figures[fmt] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6, "of_hbm": nbytes / ms / 1e6 / hbm,
+                            "alone_us": alone * 1e3}
         out.append(figures)
+        del sets
     return out
+
+
+def blockwise_scaled_mm(x8, xs, w8, s8):
+    """cuBLAS's FP8 GEMM with DeepSeek's scaling (x8 e4m3 with scales xs per 1 x 128, W per 128 x 128): torch's
+    F.scaled_mm (the 1 x 128 scales column-major, as cuBLAS takes them)."""
+    return F.scaled_mm(x8, w8.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128, s8.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
 
 def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
@@ -51,15 +80,25 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
     for name, n, k in [("q_b_proj", 16384, 2048), ("o_proj", 6144, 16384), ("shared gate/up", 2048, 6144)]:
         w16, (w8, s8), (w4, s4) = weights(n, k)
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        x8, xs = fp8_blocks.quantize_activations(x)
         flops = 2 * tokens * n * k
         figures = {"shape": name, "tokens": tokens}
-        for fmt, fn in [("bf16", lambda: F.linear(x, w16)),
-                        ("fp8", lambda: linear_triton.fp8_linear(x, w8, s8)),
-                        ("fp8 widened + torch", lambda: F.linear(x, linear_triton.fp8_dequantize(w8, s8))),
-                        ("int4 widened + torch",
-                         lambda: F.linear(x, experts_triton.dequantize(w4, s4, "int4", 128))),
-                        ("fp8, bf16 dots", lambda: linear_triton.fp8_linear(x, w8, s8, fp8_dot=False)),
-                        ("int4", lambda: linear_triton.int4_linear(x, w4, s4, 128))]:
+        runs = [("bf16", lambda: F.linear(x, w16)),
+                ("fp8", lambda: linear_triton.fp8_linear(x, w8, s8)),
+                ("fp8 widened + torch", lambda: F.linear(x, linear_triton.fp8_dequantize(w8, s8))),
+                ("int4 widened + torch", lambda: F.linear(x, experts_triton.dequantize(w4, s4, "int4", 128))),
+                ("fp8, bf16 dots", lambda: linear_triton.fp8_linear(x, w8, s8, fp8_dot=False)),
+                ("int4", lambda: linear_triton.int4_linear(x, w4, s4, 128))]
+        try:  # F.scaled_mm with block scales: torch >= 2.10, cuBLAS >= 12.9 on sm90/sm100
+            y = blockwise_scaled_mm(x8, xs, w8, s8).float()
+            want = linear_triton.linear_reference(x, "fp8", w8, s8, fp8_dot=True).cuda()
+            figures["cuBLAS blockwise rel err"] = ((y - want).norm() / want.norm()).item()
+            runs += [("cuBLAS blockwise", lambda: blockwise_scaled_mm(x8, xs, w8, s8)),
+                     ("cuBLAS blockwise + quantise", lambda: blockwise_scaled_mm(*fp8_blocks.quantize_activations(x),
+                                                                                 w8, s8))]
+        except (RuntimeError, AttributeError) as e:  # not in this torch, or not on this GPU
+            figures["cuBLAS blockwise"] = f"{type(e).__name__}: {str(e)[:300]}"
+        for fmt, fn in runs:
             ms = ceilings.time_ms(fn)
             figures[fmt] = {"ms": ms, "tflops": flops / ms / 1e9, "of_bf16_ceiling": flops / ms / 1e9 / bf16_ceiling}
         out.append(figures)
@@ -67,31 +106,34 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
 
 
 def sweep(hbm: float) -> list[dict]:
-    """Decode tiles for the fp8 and int4 GEMV at batch 1 on o_proj and q_b_proj."""
+    """Decode tiles of the fp8 and int4 GEMV at batch 1 on o_proj and q_b_proj (per call in a stream), and the
+    FP8-dot prefill tile."""
     out = []
-    shipped = dict(linear_triton.DECODE_TILE)
-    made = {name: weights(n, k)[1:] for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
-    for block_n in (64, 128):
+    shipped = dict(linear_triton.DECODE_TILE), dict(linear_triton.INT4_DECODE_TILE)
+    made = {name: (n, k, copies(n, k)) for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
+    for block_n in (32, 64, 128):
         for warps in (4, 8):
-            for stages in (2, 4):
-                for step, vector in ((1, False), (2, False), (4, False), (1, True), (2, True)):
+            for stages in (2, 3):
+                for step in (1, 2, 4):
                     linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages, step=step,
-                                                     vector=vector)
-                    row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "step": step, "vector": vector}
-                    try:
-                        for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]:
-                            (w8, s8), (w4, s4) = made[name]
-                            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-                            row[f"{name} fp8"] = fp8_blocks.nbytes((n, k)) / ceilings.graph_ms(
-                                lambda: linear_triton.fp8_linear(x, w8, s8)) / 1e6 / hbm
-                            if step == 1 and not vector:
-                                row[f"{name} int4"] = int_groups.nbytes(n * k, "int4", 128) / ceilings.graph_ms(
-                                    lambda: linear_triton.int4_linear(x, w4, s4, 128)) / 1e6 / hbm
-                    except triton.runtime.errors.OutOfResources:
-                        row["out of shared memory"] = True
+                                                     vector=True)
+                    linear_triton.INT4_DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages,
+                                                          step=step)
+                    row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "step": step}
+                    for name, (n, k, sets) in made.items():
+                        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                        for fmt, nbytes in (("fp8", fp8_blocks.nbytes((n, k))),
+                                            ("int4", int_groups.nbytes(n * k, "int4", 128))):
+                            try:
+                                ms = ceilings.stream_ms(decode_calls(fmt, x, sets), iters=5)
+                                row[f"{name} {fmt}"] = nbytes / ms / 1e6 / hbm
+                            except triton.runtime.errors.OutOfResources:
+                                row[f"{name} {fmt}"] = float("nan")
                     print("sweep", row, flush=True)
                     out.append(row)
-    linear_triton.DECODE_TILE.update(shipped)
+    linear_triton.DECODE_TILE.update(shipped[0])
+    linear_triton.INT4_DECODE_TILE.update(shipped[1])
+    del made
     shipped = dict(linear_triton.PREFILL_TILE)
     _, (w8, s8), _ = weights(6144, 16384)
     x = torch.randn(4096, 16384, device="cuda", dtype=torch.bfloat16)
@@ -110,35 +152,49 @@ def sweep(hbm: float) -> list[dict]:
     return out
 
 
+def best_tiles(rows: list[dict]) -> tuple[dict, dict]:
+    """The decode tiles with the best o_proj + q_b_proj figure, fp8 and int4."""
+    def best(fmt):
+        ok = [r for r in rows if "block_n" in r and r[f"o_proj {fmt}"] == r[f"o_proj {fmt}"]]
+        return max(ok, key=lambda r: r[f"o_proj {fmt}"] + r[f"q_b_proj {fmt}"])
+    fp8, int4 = best("fp8"), best("int4")
+    return ({k: fp8[k] for k in ("block_n", "num_warps", "num_stages", "step")},
+            {k: int4[k] for k in ("block_n", "num_warps", "num_stages", "step")})
+
+
 def run(do_sweep: bool = False) -> dict:
     hbm, bf16 = ceilings.hbm_copy_gb_s(), ceilings.bf16_matmul_tflops()
     result = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": bf16}
-    if do_sweep:  # the tables below then run with the best decode tile (fp8, o_proj + q_b_proj at batch 1)
+    if do_sweep:  # the tables below then run with the best decode tiles (o_proj + q_b_proj at batch 1)
         result["sweep"] = sweep(hbm)
-        best = max((r for r in result["sweep"] if "o_proj fp8" in r), key=lambda r: r["o_proj fp8"] + r["q_b_proj fp8"])
-        linear_triton.DECODE_TILE.update({k: best[k] for k in linear_triton.DECODE_TILE})
-        print("decode tile for the tables:", linear_triton.DECODE_TILE, flush=True)
+        fp8, int4 = best_tiles(result["sweep"])
+        linear_triton.DECODE_TILE.update(fp8)
+        linear_triton.INT4_DECODE_TILE.update(int4)
+        print("decode tiles for the tables:", linear_triton.DECODE_TILE, linear_triton.INT4_DECODE_TILE, flush=True)
     result["decode_tile"] = dict(linear_triton.DECODE_TILE)
+    result["int4_decode_tile"] = dict(linear_triton.INT4_DECODE_TILE)
     result["decode"] = decode(hbm, 1) + decode(hbm, 8)
     result["prefill"] = prefill(4096, bf16)
     return result
 
 
 def table(r: dict) -> str:
-    lines = [f"HBM copy {r['hbm_copy_gb_s']:.0f} GB/s, bf16 matmul {r['bf16_matmul_tflops']:.0f} TFLOP/s",
-             f"{'decode':<16} {'rows':>4} {'bf16 us':>8} {'fp8 us':>8} {'fp8 GB/s':>9} {'of HBM':>7} {'int4 us':>8} "
-             f"{'int4 GB/s':>9} {'of HBM':>7}"]
+    lines = [f"HBM copy {r['hbm_copy_gb_s']:.0f} GB/s, bf16 matmul {r['bf16_matmul_tflops']:.0f} TFLOP/s; per call in "
+             "a stream (alone: one call from its own graph)",
+             f"{'decode':<16} {'rows':>4} {'bf16 us':>8} {'of HBM':>7} {'fp8 us':>7} {'alone':>6} {'of HBM':>7} "
+             f"{'int4 us':>8} {'alone':>6} {'of HBM':>7}"]
     for d in r["decode"]:
-        lines.append(f"{d['shape']:<16} {d['rows']:>4} {d['bf16']['us']:>8.1f} {d['fp8']['us']:>8.1f} "
-                     f"{d['fp8']['gb_s']:>9.0f} {d['fp8']['of_hbm']:>7.1%} {d['int4']['us']:>8.1f} "
-                     f"{d['int4']['gb_s']:>9.0f} {d['int4']['of_hbm']:>7.1%}")
-    lines.append(f"{'prefill':<16} {'tok':>5} {'bf16 TF':>8} {'fp8dot TF':>10} {'x bf16':>7} {'fp8 bf16dot':>12} "
-                 f"{'fp8 widen+mm':>13} {'int4 TF':>8} {'int4 widen+mm':>14}")
+        lines.append(f"{d['shape']:<16} {d['rows']:>4} {d['bf16']['us']:>8.1f} {d['bf16']['of_hbm']:>7.1%} "
+                     f"{d['fp8']['us']:>7.1f} {d['fp8']['alone_us']:>6.1f} {d['fp8']['of_hbm']:>7.1%} "
+                     f"{d['int4']['us']:>8.1f} {d['int4']['alone_us']:>6.1f} {d['int4']['of_hbm']:>7.1%}")
+    runs = ["bf16", "fp8", "fp8, bf16 dots", "fp8 widened + torch", "cuBLAS blockwise", "cuBLAS blockwise + quantise",
+            "int4", "int4 widened + torch"]
+    lines.append("prefill TFLOP/s: " + " | ".join(runs))
     for p in r["prefill"]:
-        lines.append(f"{p['shape']:<16} {p['tokens']:>5} {p['bf16']['tflops']:>8.0f} {p['fp8']['tflops']:>10.0f} "
-                     f"{p['fp8']['tflops'] / p['bf16']['tflops']:>7.2f} {p['fp8, bf16 dots']['tflops']:>12.0f} "
-                     f"{p['fp8 widened + torch']['tflops']:>13.0f} {p['int4']['tflops']:>8.0f} "
-                     f"{p['int4 widened + torch']['tflops']:>14.0f}")
+        figures = [f"{p[k]['tflops']:.0f}" if k in p else "-" for k in runs]
+        lines.append(f"{p['shape']:<16} {p['tokens']:>5} " + " | ".join(figures)
+                     + (f" (cuBLAS rel err {p['cuBLAS blockwise rel err']:.1e})" if "cuBLAS blockwise rel err" in p
+                        else f" ({p.get('cuBLAS blockwise')})"))
     return "\n".join(lines)
 
 

@@ -33,6 +33,17 @@ def graph_ms(fn, iters: int = 20) -> float:
     return time_ms(graph.replay, iters=iters)
 
 
+def stream_ms(fns, rounds: int = 2, iters: int = 10) -> float:
+    """Milliseconds per call when the calls fns (each on its own weights) run back to back from one CUDA graph,
+    `rounds` times over: how a decode step runs its layers' projections (no graph launch per call, and with enough
+    distinct weights none of them is still in L2 when it is read again)."""
+    def all_calls():
+        for _ in range(rounds):
+            for fn in fns:
+                fn()
+    return graph_ms(all_calls, iters=iters) / (rounds * len(fns))
+
+
 def hbm_copy_gb_s(n_bytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     src = torch.randn(n_bytes // 4, device="cuda")

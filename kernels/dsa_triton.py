@@ -15,7 +15,7 @@ import triton.language as tl
 from ..formats import FP8_MAX
 from ..formats.kv_rows import latent_group
 from . import INTERPRET
-from .fp8_bits import e4m3_to_f16, f32_to_e4m3
+from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
 
 
 @triton.jit
@@ -63,17 +63,25 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 @triton.jit
 def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                    KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
+                    KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr, Q_FP8: tl.constexpr,
+                    FP8_HW: tl.constexpr):
     # q [S, H, D], keys [T, D] (FP8: e4m3 bytes with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
     # one program: BLOCK_S queries x KEY_BLOCKS blocks of BLOCK_T keys, the queries loaded once. An FP8 key's
     # scale (> 0) comes out of the ReLU: relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and
-    # the score is scaled after.
+    # the score is scaled after. Q_FP8: q in e4m3 bytes too (its scales already in w), the dot in FP8 on FP8_HW
+    # GPUs, else in fp32 on the values widened by bit arithmetic (each / 256: the factors go into the scales).
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
     d = tl.arange(0, D)
     row_ok = rows < S * H
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    if CAST:
+    if Q_FP8:
+        if FP8_HW:
+            q = q.to(tl.float8e4nv, bitcast=True)
+        else:
+            q = e4m3_to_f16(q).to(tl.float32)
+            scale = scale * 256.0
+    elif CAST:
         q = q.to(tl.float32)
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -81,33 +89,54 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
     for b in tl.static_range(KEY_BLOCKS):
         cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
         k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
+        key_scale = 1.0
         if FP8:
-            k = e4m3_to_f16(k)  # e4m3 bytes -> values / 256, exact in bf16 and fp32 (256 goes into the scale)
-        k = k.to(q.dtype)
+            if Q_FP8 and FP8_HW:
+                k = k.to(tl.float8e4nv, bitcast=True)
+            else:
+                k = e4m3_to_f16(k).to(q.dtype)  # e4m3 bytes -> values / 256, exact in bf16 and fp32
+                key_scale = 256.0
+        else:
+            k = k.to(q.dtype)
         logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
         weighted = tl.maximum(logits, 0.0) * w[:, None]
         scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
         if FP8:
-            scores = scores * (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * 256.0)[None, :]
+            scores = scores * (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * key_scale)[None, :]
         scores = tl.where(cols[None, :] > pos[:, None], float("-inf"), scores)
         tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
+
+
+def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [S, H, D] -> (e4m3 [S, H, D], weights [S, H] times each (query, head)'s scale): the scale (amax / 448)
+    comes out of the ReLU as a key's does (DeepSeek's indexer quantises its queries so)."""
+    q_scales = q.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (q.float() / q_scales[..., None]).to(torch.float8_e4m3fn), weights.float() * q_scales
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                    out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
                    block_s: int | None = None, block_t: int | None = None, key_blocks: int | None = None,
-                   num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int = 3, q_fp8: bool | None = None) -> torch.Tensor:
     """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > positions[s].
 
     q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32,
-    positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. The block
-    shapes default to the fastest of bench_dsa's sweep on an H200.
+    positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. q_fp8 (FP8 keys
+    only; default: a prefill, S > 4, on a GPU with FP8 tensor cores) quantises q per (query, head)
+    (quantize_queries) and takes FP8 dots. The block shapes default to the fastest of bench_dsa's sweep on an H200.
     """
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
         raise ValueError("float8_e4m3fn keys need their key_scales, and only they")
     S, H, D = q.shape
     T = keys.shape[0]
+    if q_fp8 is None:
+        q_fp8 = fp8 and S > 4 and has_fp8_dot(q.device)
+    if q_fp8 and not fp8:
+        raise ValueError("q_fp8 is for float8_e4m3fn keys")
+    if q_fp8:
+        q, weights = quantize_queries(q, weights)
+        q = q.view(torch.uint8)
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
     decode = S <= 4
     block_s = min(block_s or max(1, 256 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
@@ -118,9 +147,9 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
     keys = keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous()
     _indexer_kernel[grid](q.contiguous(), keys, scales, weights.float().contiguous(),
-                          positions.contiguous(), out, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
-                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps,
-                          num_stages=num_stages)
+                          positions.contiguous(), out, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t,
+                          KEY_BLOCKS=key_blocks, CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, Q_FP8=q_fp8,
+                          FP8_HW=has_fp8_dot(q.device), num_warps=num_warps, num_stages=num_stages)
     return out
 
 

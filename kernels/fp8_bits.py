@@ -6,8 +6,20 @@ convert with these, on every GPU alike. Both are exact: the references are torch
 (round to nearest even) and `.float()`; tests/test_fp8_bits.py checks every byte and a sweep of values.
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+from . import INTERPRET
+
+
+@functools.cache
+def has_fp8_dot(device: torch.device) -> bool:
+    """FP8 tensor cores and conversions: sm89 (Ada), sm90 (Hopper), sm120 (Blackwell desktop) and up; never in the
+    interpreter (there the same products come from the bit arithmetic below)."""
+    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit

@@ -7,7 +7,9 @@
 
 One kernel per format serves decode and prefill: a program computes a BLOCK_M x BLOCK_N tile of y over its share of
 the inputs. For decode (M <= 32) the inputs are split over programs so every SM streams weights (bandwidth-bound: the
-packed weights are read once), and the partial sums are added in a fixed order (a CUDA graph's replay equals eager).
+packed weights are read once); each program writes its partial tile, and the last of a tile's programs to arrive (an
+atomic counter per tile) adds the partials in a fixed order and writes y: one launch, and a CUDA graph's replay
+equals eager. For one row (M = 1) products are summed without a dot, into a 2-D accumulator reduced once at the end.
 Prefill takes big tiles. Weights are loaded as bytes and widened by bit arithmetic to bf16 (e4m3 and int4 values
 are exact in bf16), so the kernels run on any GPU Triton supports (sm80, sm86 included). Where the GPU has FP8
 tensor cores (sm89, sm90, sm120) a prefill's activations are quantised to e4m3 per 128 inputs of a row
@@ -25,21 +27,24 @@ import triton.language as tl
 
 from ..formats import fp8_blocks, int_groups
 from . import INTERPRET
-from .fp8_bits import e4m3_to_f16
+from .fp8_bits import e4m3_to_f16, has_fp8_dot
 
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
-DECODE_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
+DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
+INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, the int4 GEMV
+MAX_TILES = 4096  # decode tiles that can be split (more tiles than programs wanted are never split)
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
 
 @triton.jit
-def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split,
+def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, blocks_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, FP8_HW: tl.constexpr,
                 CAST: tl.constexpr, STEP: tl.constexpr, VECTOR: tl.constexpr):
     # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [M, KB] fp32), w [N, K] e4m3 bytes, ws [NB, KB] fp32
-    # (KB = cdiv(K, 128)); out [splits, M, N]: this program's tile of split `split` (BLOCK_N divides 128).
+    # (KB = cdiv(K, 128)); out [M, N]; part [splits, M, N] fp32 and count [tiles] int32 (zero) when split
+    # (_write_tile). BLOCK_N divides 128.
     # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
     # STEP 128-blocks of inputs per iteration; VECTOR (M = 1): products summed without a dot.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -54,7 +59,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
     x_rows = x_ptr + m.to(tl.int64)[:, None] * K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_vector = tl.zeros((BLOCK_N,), tl.float32)
+    acc_vector = tl.zeros((BLOCK_N, 128), tl.float32)
     for kb_first in range(kb0, kb1, STEP):
         for j in tl.static_range(STEP):
             kb = kb_first + j
@@ -69,7 +74,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
                 else:
                     b = e4m3_to_f16(w).to(tl.float32)
                     w_scale = w_scale * 256.0
-                acc_vector += tl.sum(b * x[None, :], axis=1) * w_scale
+                acc_vector += b * (x * w_scale)[None, :]
             else:
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
                 if ACT_FP8:
@@ -92,17 +97,18 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, blocks_per_split
                     else:
                         d = tl.dot(x, tl.trans(b))
                     acc += d * w_scale
-    out = out_ptr + split * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
     if VECTOR:
-        acc = acc + acc_vector[None, :]  # row 0 (the only one)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc = acc + tl.sum(acc_vector, axis=1)[None, :]  # row 0 (the only one)
+    _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N)
 
 
 @triton.jit
-def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, groups_per_split, G: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr):
+def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, groups_per_split, G: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr, STEP: tl.constexpr,
+                 VECTOR: tl.constexpr):
     # x [M, K], w [N, K/2] bytes (in group g of a row, byte j holds input gG + j in its low nibble and gG + G/2 + j in
-    # its high one), ws [N, K/G] fp32; out [splits, M, N]
+    # its high one), ws [N, K/G] fp32; out, part, count as _fp8_kernel's. STEP groups per iteration; VECTOR (M = 1):
+    # nibbles widened by the float trick (bits 0x4B000000 | v are the fp32 2^23 + v) and summed without a dot.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,20 +120,54 @@ def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, groups_per_split, G: tl
     x_rows = x_ptr + m.to(tl.int64)[:, None] * K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for g in range(g0, g1):
-        p = tl.load(w_rows + g * (G // 2) + j[None, :], mask=n_ok[:, None], other=0).to(tl.int32)
-        low, high = (p & 15) - 8, (p >> 4) - 8
-        x_low = tl.load(x_rows + g * G + j[None, :], mask=m_ok[:, None], other=0)
-        x_high = tl.load(x_rows + g * G + G // 2 + j[None, :], mask=m_ok[:, None], other=0)
-        if CAST:
-            d = tl.dot(x_low.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
-            d += tl.dot(x_high.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
-        else:
-            d = tl.dot(x_low, tl.trans(low.to(tl.bfloat16)))
-            d += tl.dot(x_high, tl.trans(high.to(tl.bfloat16)))
-        acc += d * tl.load(ws_ptr + n * n_groups + g, mask=n_ok, other=0.0)[None, :]
-    out = out_ptr + split * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    acc_vector = tl.zeros((BLOCK_N, G // 2), tl.float32)
+    for g_first in range(g0, g1, STEP):
+        for i in tl.static_range(STEP):
+            g = g_first + i
+            g_ok = g < g1
+            p = tl.load(w_rows + g * (G // 2) + j[None, :], mask=n_ok[:, None] & g_ok, other=0).to(tl.int32)
+            w_scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
+            if VECTOR:
+                low = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                high = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                x_low = tl.load(x_ptr + g * G + j, mask=g_ok, other=0).to(tl.float32)
+                x_high = tl.load(x_ptr + g * G + G // 2 + j, mask=g_ok, other=0).to(tl.float32)
+                acc_vector += (low * x_low[None, :] + high * x_high[None, :]) * w_scale[:, None]
+            else:
+                low, high = (p & 15) - 8, (p >> 4) - 8
+                x_low = tl.load(x_rows + g * G + j[None, :], mask=m_ok[:, None] & g_ok, other=0)
+                x_high = tl.load(x_rows + g * G + G // 2 + j[None, :], mask=m_ok[:, None] & g_ok, other=0)
+                if CAST:
+                    d = tl.dot(x_low.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
+                    d += tl.dot(x_high.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
+                else:
+                    d = tl.dot(x_low, tl.trans(low.to(tl.bfloat16)))
+                    d += tl.dot(x_high, tl.trans(high.to(tl.bfloat16)))
+                acc += d * w_scale[None, :]
+    if VECTOR:
+        acc = acc + tl.sum(acc_vector, axis=1)[None, :]
+    _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N)
+
+
+@triton.jit
+def _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N):
+    # One split (grid dim 2 of size 1): acc is the tile of out. Several: acc goes to part[split]; the tile's last
+    # program to arrive (count[tile], reset to 0 after) adds part[0..splits) in order and writes out.
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    tile_offsets = m.to(tl.int64)[:, None] * N + n[None, :]
+    splits = tl.num_programs(2)
+    if splits == 1:
+        tl.store(out_ptr + tile_offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + tl.program_id(2) * M * N + tile_offsets, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial written before the arrival is counted
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == splits - 1:
+            total = tl.zeros(acc.shape, tl.float32)
+            for i in range(0, splits):
+                total += tl.load(part_ptr + i * M * N + tile_offsets, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile_offsets, total.to(out_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -150,28 +190,32 @@ def _programs_wanted(device: torch.device) -> int:
 
 
 @functools.cache
-def has_fp8_dot(device: torch.device) -> bool:
-    """FP8 tensor cores: sm89 (Ada), sm90 (Hopper), sm120 (Blackwell desktop) and up."""
-    return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of split decode tiles (each left at 0 by the tile's last program). One per device: kernels
+    that split run on one stream at a time."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
-def _launch(kernel, x, steps: int, N: int, args: tuple, **meta) -> torch.Tensor:
+def _launch(kernel, x, steps: int, N: int, args: tuple, tile: dict | None = None, **meta) -> torch.Tensor:
     """Run `kernel` over the tiles of y [M, N] (`steps` k steps in all), split over the inputs for decode; y in x's
-    dtype."""
+    dtype. tile: the decode tile (default DECODE_TILE)."""
     M = x.shape[0]
     decode = M <= DECODE_ROWS
-    tile = DECODE_TILE if decode else PREFILL_TILE
+    tile = (tile or DECODE_TILE) if decode else PREFILL_TILE
     block_m = 1 if meta.get("VECTOR") else max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
     block_n = tile["block_n"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per_split = triton.cdiv(steps, max(1, min(steps, _programs_wanted(x.device) // tiles))) if decode else steps
     splits = triton.cdiv(steps, per_split)
-    out = torch.empty(splits, M, N, device=x.device, dtype=torch.float32 if splits > 1 else x.dtype)
+    if splits > 1 and tiles > MAX_TILES:
+        raise ValueError(f"{tiles} tiles split over the inputs: more than the {MAX_TILES} counters")
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    part = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else out
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
     cast = INTERPRET or x.dtype == torch.float32
-    kernel[grid](*args, out, M, N, x.shape[1], per_split, BLOCK_M=block_m, BLOCK_N=block_n, CAST=cast,
-                 num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
-    return out[0] if splits == 1 else out.sum(0).to(x.dtype)
+    kernel[grid](*args, out, part, _tile_counters(x.device), M, N, x.shape[1], per_split, BLOCK_M=block_m,
+                 BLOCK_N=block_n, CAST=cast, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
+    return out
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
@@ -199,7 +243,9 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     M, K = x.shape
     if K % group:
         raise ValueError(f"group size {group} does not divide the {K} inputs")
-    return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), G=group)
+    decode = M <= DECODE_ROWS
+    return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), INT4_DECODE_TILE,
+                   G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1, VECTOR=M == 1)
 
 
 def fp8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -155,6 +155,27 @@ def test_indexer_scores_fp8_keys(S, T):
     check_indexer_fp8(S, 8, 32, T)
 
 
+@pytest.mark.parametrize("S, H, T", [(6, 8, 257), (9, 16, 300)])
+def test_indexer_scores_fp8_queries(S, H, T):
+    """q_fp8: queries in e4m3 per (query, head), their scales in the weights: the scores of the dequantised
+    queries and keys, within e4m3's precision of the bf16 queries' scores."""
+    g = torch.Generator().manual_seed(S * T)
+    q = torch.randn(S, H, 32, generator=g).to(DEVICE, torch.bfloat16)
+    k8, scales = quantize_keys(torch.randn(T, 32, generator=g).to(DEVICE))
+    w = torch.randn(S, H, generator=g).to(DEVICE)
+    positions = torch.arange(T - S, T, device=DEVICE)
+    got = dsa_triton.indexer_scores(q, k8, w, positions, key_scales=scales, q_fp8=True)
+    q8, w_scaled = dsa_triton.quantize_queries(q, w)
+    q_scales = w_scaled / w
+    ref = indexer_scores(q8.float() * q_scales[..., None], k8.float() * scales[:, None], w, positions)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite) and rel_err(got[finite], ref[finite]) < 1e-5
+    exact = indexer_scores(q.float(), k8.float() * scales[:, None], w, positions)
+    assert rel_err(got[finite], exact[finite]) < 0.05  # e4m3's 3 mantissa bits
+    with pytest.raises(ValueError, match="q_fp8"):
+        dsa_triton.indexer_scores(q, k8.float(), w, positions, q_fp8=True)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_fused_rope_and_fp8_quantisation(interleaved):
     check_rope_quant(37, 64, 32, interleaved)

@@ -72,27 +72,26 @@ def test_int4_linear_equals_the_reference(M, group):
 
 @pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}])
 def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
-    """Decode splits the inputs over programs (forced here: the interpreter runs one); the partial sums add up to
-    the reference, and two calls give the same bits. Every decode tile: several 128-blocks per step, the M = 1
-    vector form."""
+    """Decode splits the inputs over programs (forced here: the interpreter runs one); the tile's last program adds
+    the partial sums up to the reference, and two calls give the same bits. Every decode tile: several 128-blocks
+    (int4: groups) per step, the M = 1 vector form, more steps than a split holds."""
     monkeypatch.setattr(linear_triton, "_programs_wanted", lambda device: 64)
     monkeypatch.setitem(linear_triton.DECODE_TILE, "step", tile.get("step", 1))
     monkeypatch.setitem(linear_triton.DECODE_TILE, "vector", tile.get("vector", False))
+    monkeypatch.setitem(linear_triton.INT4_DECODE_TILE, "step", tile.get("step", 1))
     for rows in (1, 3):
         w8, scales = fp8_blocks.quantize(random((64, 1000), rows))
         x = random((rows, 1000), 4)
-        check(linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE)),
-              linear_triton.linear_reference(x, "fp8", w8, scales), torch.float32)
-    w8, scales = fp8_blocks.quantize(random((64, 1000), 3))
-    x = random((2, 1000), 4)
-    y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE))
-    check(y, linear_triton.linear_reference(x, "fp8", w8, scales), torch.float32)
-    assert torch.equal(y, linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE)))
-    values, s = int_groups.quantize(random((64, 1024), 5), "int4", 128)
-    y = linear_triton.int4_linear(x[:, :1].repeat(1, 1024).to(DEVICE), torch.from_numpy(values).to(DEVICE),
-                                  torch.from_numpy(s).to(DEVICE), 128)
-    check(y, linear_triton.linear_reference(x[:, :1].repeat(1, 1024), "int4", torch.from_numpy(values),
-                                            torch.from_numpy(s), 128), torch.float32)
+        y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE))
+        check(y, linear_triton.linear_reference(x, "fp8", w8, scales), torch.float32)
+        assert torch.equal(y, linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE)))
+        values, s = int_groups.quantize(random((64, 1536), 5 + rows), "int4", 64)
+        values, s = torch.from_numpy(values), torch.from_numpy(s)
+        x = random((rows, 1536), 6)
+        y = linear_triton.int4_linear(x.to(DEVICE), values.to(DEVICE), s.to(DEVICE), 64)
+        check(y, linear_triton.linear_reference(x, "int4", values, s, 64), torch.float32)
+        assert torch.equal(y, linear_triton.int4_linear(x.to(DEVICE), values.to(DEVICE), s.to(DEVICE), 64))
+    assert not linear_triton._tile_counters(torch.device(DEVICE)).any()  # every counter left at zero
 
 
 def test_every_e4m3_value_widens_exactly():

@@ -86,10 +86,14 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
         chunk = self.query_chunk(end)
         return torch.cat([
-            topk_indices(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end),
-                         self.topk)
+            self.select(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end))
             for s in range(0, S, chunk)
         ])
+
+    def select(self, scores):
+        """The top index_topk positions of each row of scores [S, T] (topk_indices; indexer.dsa_triton's kernel
+        overrides it)."""
+        return topk_indices(scores, self.topk)
 
 
 def indexer_scores(q, keys, weights, positions):

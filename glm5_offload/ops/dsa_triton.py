@@ -2,12 +2,13 @@
 in Triton kernels (kernels/dsa_triton.py).
 
 Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
-indexer and keeps no indexer cache. Selection uses torch.topk on the kernel's scores. FP8 indexer keys are roped
-and quantised by one kernel straight into the cache rows.
+indexer and keeps no indexer cache. The indexer selects with kernels/topk_triton.py's radix select (the pooled
+indexer, whose rows are index_kpool times shorter, with torch.topk). FP8 indexer keys are roped and quantised by one
+kernel straight into the cache rows.
 """
 
 from ..formats.kv_rows import FP8Keys
-from ..kernels import INTERPRET, dsa_triton
+from ..kernels import INTERPRET, dsa_triton, topk_triton
 from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, indexer_scores
 from ..model.pooled_indexer import last_complete_group
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
@@ -27,6 +28,9 @@ class TritonIndexer(Indexer):
             return super().write_keys(k, cos, sin, keys, positions)
         dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values, keys.scales,
                                       rows=positions)
+
+    def select(self, scores):
+        return topk_triton.topk_indices(scores, self.topk)
 
     def query_chunk(self, n_keys: int) -> int:
         """The kernel sums over heads as it goes: only [queries, keys] scores are held."""
@@ -51,7 +55,7 @@ class TritonAttention(Attention):
 OPERATORS = (
     AttentionOperator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
                       kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES, module_class=TritonAttention),
-    IndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores in a Triton kernel, torch.topk",
+    IndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores and top-k in Triton kernels",
                     delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
     IndexerOperator("pooled_indexer.dsa_triton", PooledIndexer, "GLM-5.3-Flash's group scores in the indexer's "
                     "Triton kernel, torch.topk", delegates=(Linear,), devices=DEVICES, module_class=TritonPooledIndexer),

@@ -1,0 +1,149 @@
+"""Exact top-k of long score rows on the GPU: a radix select in Triton.
+
+Reference: `topk_indices` in glm5_offload/model/mla.py (torch.topk; -1 where the score is -inf). The same set of
+positions comes back, ties at the k-th value taken lowest position first, in a fixed order: the positions above the
+k-th value, then the tied ones, each ascending (a CUDA graph's replay equals eager; no atomics decide the output).
+
+Scores map to uint32 keys ordered as the floats are. Four passes over a row each count, in a histogram of 256
+bins, the next 8 bits of the keys that share the bits chosen so far; the row is split over many programs that add
+their histograms into the row's. Each pass's programs first work out the bits chosen so far from the earlier
+passes' histograms (a few thousand adds, instead of a launch). After the fourth, the k-th largest key is known;
+one pass counts each program's keys above and equal to it, and the last writes the positions, each program at the
+offset the counts before it give.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET
+
+BINS = 256  # 8 bits a pass, 4 passes
+BLOCK = 4096  # scores a program reads per iteration
+MAX_PROGRAMS = 256  # programs per row
+
+
+@triton.jit
+def _keys(x):
+    """fp32 -> uint32 keys in the floats' order (negative floats' bits flipped, positive ones' sign bit set)."""
+    i = x.to(tl.int32, bitcast=True)
+    return (i ^ ((i >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _chosen(hist_row, k, LEVELS: tl.constexpr):
+    """The key bits chosen by the first LEVELS passes (their histograms in hist_row [4, BINS]) and how many keys of
+    the top k remain to be found among the keys that start with them."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.uint32)
+    remaining = k
+    for level in tl.static_range(LEVELS):
+        h = tl.load(hist_row + level * 256 + bins)
+        at_or_above = tl.sum(h) - tl.cumsum(h, 0) + h  # keys in this bin or higher ones
+        digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1  # the highest bin that reaches the k-th
+        remaining -= tl.sum(tl.where(bins > digit, h, 0))
+        prefix = (prefix << 8) | digit.to(tl.uint32)
+    return prefix, remaining
+
+
+@triton.jit
+def _histogram_kernel(scores_ptr, hist_ptr, T, k, per_program, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    # scores [rows, T] fp32; hist [rows, 4, BINS] int32 (zeroed); program (row, p) reads scores[row, p*per_program:]
+    row, p = tl.program_id(0), tl.program_id(1)
+    hist_row = hist_ptr + row * 4 * 256
+    prefix, remaining = _chosen(hist_row, k, LEVEL)
+    start = p * per_program
+    end = tl.minimum(start + per_program, T)
+    counts = tl.zeros((256,), tl.int32)
+    for first in range(start, end, BLOCK):
+        t = first + tl.arange(0, BLOCK)
+        ok = t < end
+        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=0.0))
+        digit = ((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
+        if LEVEL > 0:
+            ok = ok & ((key >> (32 - 8 * LEVEL)) == prefix)
+        counts += tl.histogram(digit, 256, mask=ok)
+    tl.atomic_add(hist_row + LEVEL * 256 + tl.arange(0, 256), counts, mask=counts > 0)
+
+
+@triton.jit
+def _count_kernel(scores_ptr, hist_ptr, counts_ptr, T, k, per_program, BLOCK: tl.constexpr):
+    # counts [rows, programs, 2] int32: this program's keys above the k-th largest, and equal to it
+    row, p = tl.program_id(0), tl.program_id(1)
+    kth, _ = _chosen(hist_ptr + row * 4 * 256, k, 4)
+    start = p * per_program
+    end = tl.minimum(start + per_program, T)
+    above = tl.zeros((), tl.int32)
+    equal = tl.zeros((), tl.int32)
+    for first in range(start, end, BLOCK):
+        t = first + tl.arange(0, BLOCK)
+        ok = t < end
+        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=0.0))
+        above += tl.sum((ok & (key > kth)).to(tl.int32))
+        equal += tl.sum((ok & (key == kth)).to(tl.int32))
+    base = counts_ptr + (row * tl.num_programs(1) + p) * 2
+    tl.store(base, above)
+    tl.store(base + 1, equal)
+
+
+@triton.jit
+def _write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, T, k, per_program, BLOCK: tl.constexpr,
+                  PROGRAMS: tl.constexpr):
+    # out [rows, k] int64: the row's positions above the k-th largest, then `ties` of those equal to it, each
+    # ascending; -1 for a position whose score is -inf
+    row, p = tl.program_id(0), tl.program_id(1)
+    kth, ties = _chosen(hist_ptr + row * 4 * 256, k, 4)
+    others = tl.arange(0, PROGRAMS)
+    row_counts = counts_ptr + row * tl.num_programs(1) * 2 + others * 2
+    real = others < tl.num_programs(1)
+    above_before = tl.sum(tl.load(row_counts, mask=real & (others < p), other=0))
+    equal_before = tl.sum(tl.load(row_counts + 1, mask=real & (others < p), other=0))
+    n_above = k - ties
+    out_row = out_ptr + row.to(tl.int64) * k
+    start = p * per_program
+    end = tl.minimum(start + per_program, T)
+    for first in range(start, end, BLOCK):
+        t = first + tl.arange(0, BLOCK)
+        ok = t < end
+        x = tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=0.0)
+        key = _keys(x)
+        value = tl.where(x == float("-inf"), -1, t).to(tl.int64)
+        is_above = ok & (key > kth)
+        rank = above_before + tl.cumsum(is_above.to(tl.int32), 0) - 1
+        tl.store(out_row + rank, value, mask=is_above)
+        above_before += tl.sum(is_above.to(tl.int32))
+        is_equal = ok & (key == kth)
+        rank = equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
+        tl.store(out_row + n_above + rank, value, mask=is_equal & (rank < ties))
+        equal_before += tl.sum(is_equal.to(tl.int32))
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that fill the GPU (4 per SM); 1 in the interpreter (each program costs time there)."""
+    return 1 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the top min(k, T) scores of each row of scores [S, T] fp32 -> [S, min(k, T)] int64, -1 where the
+    score is -inf (model.mla.topk_indices' set; ties lowest position first, in the order the docstring gives)."""
+    S, T = scores.shape
+    k = min(k, T)
+    out = torch.empty(S, k, dtype=torch.int64, device=scores.device)
+    if S == 0 or k == 0:
+        return out
+    scores = scores.float().contiguous()
+    programs = max(1, min(MAX_PROGRAMS, _programs_wanted(scores.device) // S, triton.cdiv(T, BLOCK)))
+    per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
+    programs = triton.cdiv(T, per_program)
+    hist = torch.zeros(S, 4, BINS, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(S, programs, 2, dtype=torch.int32, device=scores.device)
+    grid = (S, programs)
+    for level in range(4):
+        _histogram_kernel[grid](scores, hist, T, k, per_program, LEVEL=level, BLOCK=BLOCK, num_warps=8)
+    _count_kernel[grid](scores, hist, counts, T, k, per_program, BLOCK=BLOCK, num_warps=8)
+    _write_kernel[grid](scores, hist, counts, out, T, k, per_program, BLOCK=BLOCK,
+                        PROGRAMS=triton.next_power_of_2(programs), num_warps=8)
+    return out
