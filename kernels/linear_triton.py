@@ -22,12 +22,13 @@ it on the CPU (Triton's interpreter) and on the GPU.
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..formats import fp8_blocks, int_groups
+from ..formats import FP8_MAX, fp8_blocks, int_groups
 from . import INTERPRET
-from .fp8_bits import e4m3_to_f16, has_fp8_dot
+from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
 
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
@@ -121,12 +122,17 @@ def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, gr
     w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_vector = tl.zeros((BLOCK_N, G // 2), tl.float32)
+    steps = tl.arange(0, STEP)
     for g_first in range(g0, g1, STEP):
+        # the STEP groups' scales of each row in one load (a row's are adjacent; loaded one by one, each would take
+        # a memory sector of its own)
+        scales = tl.load(ws_ptr + n[:, None] * n_groups + g_first + steps[None, :],
+                         mask=n_ok[:, None] & (g_first + steps < g1)[None, :], other=0.0)
         for i in tl.static_range(STEP):
             g = g_first + i
             g_ok = g < g1
             p = tl.load(w_rows + g * (G // 2) + j[None, :], mask=n_ok[:, None] & g_ok, other=0).to(tl.int32)
-            w_scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
+            w_scale = tl.sum(tl.where(steps[None, :] == i, scales, 0.0), axis=1)
             if VECTOR:
                 low = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
                 high = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
@@ -168,6 +174,21 @@ def _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N):
                 total += tl.load(part_ptr + i * M * N + tile_offsets, mask=ok, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + tile_offsets, total.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
+def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, FP8_MAX: tl.constexpr):
+    # x [M, K] -> out [M, K] e4m3 bytes and scales [KB, M] fp32 (column-major [M, KB], as cuBLAS takes them):
+    # one program: BLOCK_M rows x one 128-block of inputs (fp8_blocks.quantize_activations)
+    pid_m, kb = tl.program_id(0), tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k = kb * 128 + tl.arange(0, 128)
+    ok = (m < M)[:, None] & (k < K)[None, :]
+    offsets = m.to(tl.int64)[:, None] * K + k[None, :]
+    x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)  # IEEE division, as torch's
+    tl.store(out_ptr + offsets, f32_to_e4m3(tl.div_rn(x, scale[:, None])), mask=ok)
+    tl.store(scale_ptr + kb * M + m, scale, mask=m < M)
 
 
 @triton.jit
@@ -246,6 +267,47 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     decode = M <= DECODE_ROWS
     return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), INT4_DECODE_TILE,
                    G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1, VECTOR=M == 1)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x8 [M, K] float8_e4m3fn, scales [M, cdiv(K, 128)] fp32, column-major): fp8_blocks'
+    quantize_activations in one kernel."""
+    M, K = x.shape
+    out = torch.empty(M, K, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(triton.cdiv(K, BLOCK), M, dtype=torch.float32, device=x.device)
+    _quantize_activations_kernel[(triton.cdiv(M, 16), triton.cdiv(K, BLOCK))](x.contiguous(), out, scales, M, K,
+                                                                              BLOCK_M=16, FP8_MAX=FP8_MAX)
+    return out.view(torch.float8_e4m3fn), scales.t()
+
+
+def _blockwise_mm(x8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    return F.scaled_mm(x8, weight.t(), x_scales, F.ScalingType.BlockWise1x128, scales.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=dtype)
+
+
+@functools.cache
+def has_blockwise_fp8_mm(device: torch.device) -> bool:
+    """torch's F.scaled_mm with DeepSeek's block scales (x per 1 x 128, W per 128 x 128) on this GPU: cuBLAS >= 12.9
+    has them for sm90 and sm100 (tried once on a 128 x 128 block)."""
+    if INTERPRET or device.type != "cuda" or not hasattr(F, "ScalingType"):
+        return False
+    w8, scales = torch.ones(128, 128, device=device).to(torch.float8_e4m3fn), torch.ones(1, 1, device=device)
+    try:
+        _blockwise_mm(*quantize_activations(torch.ones(128, 128, device=device, dtype=torch.bfloat16)), w8, scales,
+                      torch.bfloat16)
+    except RuntimeError:  # not in this cuBLAS, or not for this GPU
+        return False
+    return True
+
+
+def fp8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A prefill's x [M, K] (bf16) @ W^T by cuBLAS's FP8 GEMM: x quantised per 1 x 128 (quantize_activations), W8
+    [N, K] as stored; N and K multiples of 128 (cuBLAS's block scales) and has_blockwise_fp8_mm(device). Reference:
+    linear_reference(fp8_dot=True)."""
+    if weight.shape[0] % BLOCK or x.shape[1] % BLOCK:
+        raise ValueError(f"cuBLAS's block scales need multiples of 128, not W {tuple(weight.shape)}")
+    return _blockwise_mm(*quantize_activations(x), weight, scales, x.dtype)
 
 
 def fp8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -97,6 +97,7 @@ def test_fp8_rows_convert_to_their_bf16_values():
 def test_real_sizes_on_the_gpu(S):
     check_indexer(S, 32, 128, 131072, 131072 - S, torch.bfloat16, seed=S)
     check_indexer_fp8(S, 32, 128, 131072)
+    check_indexer_fp8_queries(S, 32, 128, 131072)
     check_mla(S, 64, 512, 64, 65536, 2048, torch.bfloat16, seed=S)
     check_mla(S, 64, 512, 64, 65536, 2048, torch.bfloat16, seed=S, fp8=True)
     check_rope_quant(4096, 128, 64, interleaved=S == 1)
@@ -141,7 +142,7 @@ def check_indexer_fp8(S, H, D, T):
     w = torch.randn(S, H, generator=g).to(DEVICE)
     out = torch.full((S, T), float("nan"), device=DEVICE)
     positions = torch.arange(T - S, T, device=DEVICE)
-    got = dsa_triton.indexer_scores(q, k8, w, positions, out=out, key_scales=scales)
+    got = dsa_triton.indexer_scores(q, k8, w, positions, out=out, key_scales=scales, q_fp8=False)
     ref = indexer_scores(q, k8.float() * scales[:, None], w, positions)
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite) and rel_err(got[finite], ref[finite]) < 1e-5
@@ -157,11 +158,15 @@ def test_indexer_scores_fp8_keys(S, T):
 
 @pytest.mark.parametrize("S, H, T", [(6, 8, 257), (9, 16, 300)])
 def test_indexer_scores_fp8_queries(S, H, T):
+    check_indexer_fp8_queries(S, H, 32, T)
+
+
+def check_indexer_fp8_queries(S, H, D, T):
     """q_fp8: queries in e4m3 per (query, head), their scales in the weights: the scores of the dequantised
     queries and keys, within e4m3's precision of the bf16 queries' scores."""
     g = torch.Generator().manual_seed(S * T)
-    q = torch.randn(S, H, 32, generator=g).to(DEVICE, torch.bfloat16)
-    k8, scales = quantize_keys(torch.randn(T, 32, generator=g).to(DEVICE))
+    q = torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16)
+    k8, scales = quantize_keys(torch.randn(T, D, generator=g).to(DEVICE))
     w = torch.randn(S, H, generator=g).to(DEVICE)
     positions = torch.arange(T - S, T, device=DEVICE)
     got = dsa_triton.indexer_scores(q, k8, w, positions, key_scales=scales, q_fp8=True)

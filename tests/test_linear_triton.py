@@ -94,6 +94,28 @@ def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     assert not linear_triton._tile_counters(torch.device(DEVICE)).any()  # every counter left at zero
 
 
+def test_activations_quantise_in_one_kernel_as_the_reference_does():
+    """The prefill's FP8 activations (per row and 128 inputs; a partial block at the end, a zero block): the bytes
+    and scales of fp8_blocks.quantize_activations, the scales column-major as cuBLAS takes them."""
+    x = random((37, 300), 11) * torch.logspace(-3, 3, 300)
+    x[5, 128:256] = 0
+    x8, scales = linear_triton.quantize_activations(x.to(DEVICE, torch.bfloat16))
+    want8, want_scales = fp8_blocks.quantize_activations(x.bfloat16())
+    assert torch.equal(x8.view(torch.uint8).cpu(), want8.view(torch.uint8))
+    assert torch.equal(scales.cpu(), want_scales) and scales.stride() == (1, 37)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not linear_triton.has_blockwise_fp8_mm(torch.device("cuda")),
+                    reason="needs cuBLAS's blockwise FP8 GEMM (sm90)")
+def test_cublas_blockwise_prefill_equals_the_reference():
+    w8, scales = fp8_blocks.quantize(random((384, 512), 12))
+    x = random((100, 512), 13).bfloat16()
+    y = linear_triton.fp8_blockwise_linear(x.cuda(), w8.cuda(), scales.cuda())
+    check(y, linear_triton.linear_reference(x, "fp8", w8, scales, fp8_dot=True), torch.bfloat16)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        linear_triton.fp8_blockwise_linear(x[:, :300].cuda(), w8[:, :300].cuda(), scales.cuda())
+
+
 def test_every_e4m3_value_widens_exactly():
     """The kernels read FP8 as bytes and widen them by bit arithmetic (no FP8 hardware needed): all 254 finite
     e4m3 values, and a block scale, against torch's own conversion."""

@@ -7,9 +7,11 @@ kwargs: format
         the largest that divides the inputs (one that does not is refused, naming those that would).
   bf16  the compute dtype (what linear.reference holds).
 Converted weights are kept in a disk store beside the converted experts (`cache_dir`), so the next start reads them.
-Decode (up to 32 tokens) runs kernels/linear_triton.py's GEMV, which reads the packed weights once; a prefill chunk
-widens W to the compute dtype in one kernel and runs torch's GEMM (faster on the H200 than the FP8-dot Triton GEMM:
-bench/RESULTS.md). The CPU tests run the kernels in Triton's interpreter; on a CPU without it the kernels' reference
+Decode (up to 32 tokens) runs kernels/linear_triton.py's GEMV, which reads the packed weights once. A prefill chunk
+of an fp8 weight runs cuBLAS's FP8 GEMM with DeepSeek's block scales where torch and the GPU have it (F.scaled_mm;
+sm90), its activations quantised per 128 inputs as DeepSeek's inference does; otherwise it widens W to the compute
+dtype in one kernel and runs torch's GEMM (faster on the H200 than the FP8-dot Triton GEMM: bench/RESULTS.md).
+The CPU tests run the kernels in Triton's interpreter; on a CPU without it the kernels' reference
 (the same weights, dequantised) runs, so a placement can be tried on any machine. Tensors the model keeps in fp32
 (the indexer's weights_proj) stay fp32, as linear.reference has them.
 """
@@ -57,13 +59,20 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if not self._kernels():  # the kernels' reference, on a CPU without Triton's interpreter
             y = F.linear(flat.float(), self.dense_weight(torch.float32)).to(x.dtype)
-        elif self.widen and flat.shape[0] > linear_triton.DECODE_ROWS and flat.is_cuda:  # prefill: W widened, GEMM
-            y = F.linear(flat, self.dense_weight(flat.dtype))
+        elif self.widen and flat.shape[0] > linear_triton.DECODE_ROWS and flat.is_cuda:  # prefill
+            if self.blockwise_fp8(flat):  # cuBLAS's FP8 GEMM on the weights as stored
+                y = linear_triton.fp8_blockwise_linear(flat, self.weight, self.scales)
+            else:  # W widened, torch's GEMM
+                y = F.linear(flat, self.dense_weight(flat.dtype))
         elif self.fmt == "fp8":
             y = linear_triton.fp8_linear(flat, self.weight, self.scales)
         else:
             y = linear_triton.int4_linear(flat, self.weight, self.scales, self.group)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def blockwise_fp8(self, x: torch.Tensor) -> bool:
+        return (self.fmt == "fp8" and x.dtype == torch.bfloat16 and not self.out_features % linear_triton.BLOCK
+                and not self.in_features % linear_triton.BLOCK and linear_triton.has_blockwise_fp8_mm(x.device))
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [out, in] dequantised, in the compute dtype (absorbed MLA reads kv_b_proj's whole)."""
@@ -120,14 +129,16 @@ class LinearOperator(Operator):
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """The weights, and as workspace a decode step's partial sums (split over the inputs: at most 4 programs of
-        [32, 128] fp32 per SM, on a GPU of up to 132 SMs) or a prefill's widened W (not lm_head's)."""
+        [32, 128] fp32 per SM, on a GPU of up to 132 SMs) or a prefill's widened W or FP8 activations (not
+        lm_head's)."""
         if self._packing(slot)[0] not in ("fp8", "int4"):
             return super().memory(slot, ctx)
         partials = 4 * 132 * linear_triton.DECODE_ROWS * 128 * 4
         shape = (slot.module.out_features, slot.module.in_features)
-        widened = 0 if self.replaces is LMHead else shape[0] * shape[1] * ctx.dtype.itemsize
+        prefill = 0 if self.replaces is LMHead else max(shape[0] * shape[1] * ctx.dtype.itemsize,
+                                                        ctx.prefill_chunk * shape[1] * (1 + 4 / 128))
         return [Buffer(slot.device, "weights", self.weight_bytes(slot, ctx.dtype)),
-                Buffer(slot.device, "workspace", max(partials, widened))]
+                Buffer(slot.device, "workspace", int(max(partials, prefill)))]
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
         fmt, group = self._packing(slot)
