@@ -289,24 +289,28 @@ def _blockwise_mm(x8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor
 @functools.cache
 def has_blockwise_fp8_mm(device: torch.device) -> bool:
     """torch's F.scaled_mm with DeepSeek's block scales (x per 1 x 128, W per 128 x 128) on this GPU: cuBLAS >= 12.9
-    has them for sm90 and sm100 (tried once on a 128 x 128 block)."""
+    has them for sm90 and sm100 (tried once, on 128 x 512)."""
     if INTERPRET or device.type != "cuda" or not hasattr(F, "ScalingType"):
         return False
-    w8, scales = torch.ones(128, 128, device=device).to(torch.float8_e4m3fn), torch.ones(1, 1, device=device)
+    w8, scales = torch.ones(128, 512, device=device).to(torch.float8_e4m3fn), torch.ones(1, 4, device=device)
     try:
-        _blockwise_mm(*quantize_activations(torch.ones(128, 128, device=device, dtype=torch.bfloat16)), w8, scales,
+        _blockwise_mm(*quantize_activations(torch.ones(128, 512, device=device, dtype=torch.bfloat16)), w8, scales,
                       torch.bfloat16)
-    except RuntimeError:  # not in this cuBLAS, or not for this GPU
+    except (RuntimeError, ValueError):  # not in this torch or cuBLAS, or not for this GPU
         return False
     return True
 
 
+def blockwise_shape(N: int, K: int) -> bool:
+    return N % BLOCK == 0 and K % (4 * BLOCK) == 0
+
+
 def fp8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A prefill's x [M, K] (bf16) @ W^T by cuBLAS's FP8 GEMM: x quantised per 1 x 128 (quantize_activations), W8
-    [N, K] as stored; N and K multiples of 128 (cuBLAS's block scales) and has_blockwise_fp8_mm(device). Reference:
-    linear_reference(fp8_dot=True)."""
-    if weight.shape[0] % BLOCK or x.shape[1] % BLOCK:
-        raise ValueError(f"cuBLAS's block scales need multiples of 128, not W {tuple(weight.shape)}")
+    [N, K] as stored, with N a multiple of 128 and K of 512 (cuBLAS takes W's scales in whole groups of 4 blocks
+    along K) and has_blockwise_fp8_mm(device). Reference: linear_reference(fp8_dot=True)."""
+    if not blockwise_shape(*weight.shape):
+        raise ValueError(f"cuBLAS's block scales need N a multiple of 128 and K of 512, not W {tuple(weight.shape)}")
     return _blockwise_mm(*quantize_activations(x), weight, scales, x.dtype)
 
 

@@ -4,12 +4,13 @@ Reference: `topk_indices` in glm5_offload/model/mla.py (torch.topk; -1 where the
 positions comes back, ties at the k-th value taken lowest position first, in a fixed order: the positions above the
 k-th value, then the tied ones, each ascending (a CUDA graph's replay equals eager; no atomics decide the output).
 
-Scores map to uint32 keys ordered as the floats are. Four passes over a row each count, in a histogram of 256
-bins, the next 8 bits of the keys that share the bits chosen so far; the row is split over many programs that add
+Scores map to uint32 keys ordered as the floats are. Eight passes over a row each count, in a histogram of 16
+bins, the next 4 bits of the keys that share the bits chosen so far; the row is split over many programs that add
 their histograms into the row's. Each pass's programs first work out the bits chosen so far from the earlier
-passes' histograms (a few thousand adds, instead of a launch). After the fourth, the k-th largest key is known;
-one pass counts each program's keys above and equal to it, and the last writes the positions, each program at the
-offset the counts before it give.
+passes' histograms (a few hundred adds, instead of a launch). After the eighth, the k-th largest key is known; one
+pass counts each program's keys above and equal to it, and the last writes the positions, each program at the
+offset the counts before it give. Why 16 bins: tl.histogram costs about one operation per bin per score (256 bins
+made a pass 8 us at 1M; 16 bins 0.5 us), and a pass's launch costs a few microseconds inside a CUDA graph.
 """
 
 import functools
@@ -20,7 +21,8 @@ import triton.language as tl
 
 from . import INTERPRET
 
-BINS = 256  # 8 bits a pass, 4 passes
+BITS = 4  # a pass's digit
+LEVELS = 32 // BITS
 BLOCK = 4096  # scores a program reads per iteration
 MAX_PROGRAMS = 256  # programs per row
 
@@ -33,50 +35,48 @@ def _keys(x):
 
 
 @triton.jit
-def _chosen(hist_row, k, LEVELS: tl.constexpr):
-    """The key bits chosen by the first LEVELS passes (their histograms in hist_row [4, BINS]) and how many keys of
-    the top k remain to be found among the keys that start with them."""
-    bins = tl.arange(0, 256)
+def _chosen(hist_row, k, DONE: tl.constexpr, BITS: tl.constexpr):
+    """The key bits chosen by the first DONE passes (their histograms in hist_row [LEVELS, 2^BITS]) and how many
+    keys of the top k remain to be found among the keys that start with them."""
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros((), tl.uint32)
     remaining = k
-    for level in tl.static_range(LEVELS):
-        h = tl.load(hist_row + level * 256 + bins)
+    for level in tl.static_range(DONE):
+        h = tl.load(hist_row + level * (1 << BITS) + bins)
         at_or_above = tl.sum(h) - tl.cumsum(h, 0) + h  # keys in this bin or higher ones
         digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1  # the highest bin that reaches the k-th
         remaining -= tl.sum(tl.where(bins > digit, h, 0))
-        prefix = (prefix << 8) | digit.to(tl.uint32)
+        prefix = (prefix << BITS) | digit.to(tl.uint32)
     return prefix, remaining
 
 
 @triton.jit
-def _histogram_kernel(scores_ptr, hist_ptr, T, k, per_program, LEVEL: tl.constexpr, BLOCK: tl.constexpr):
-    # scores [rows, T] fp32; hist [rows, 4, BINS] int32 (zeroed); program (row, p) reads scores[row, p*per_program:]
+def _histogram_kernel(scores_ptr, hist_ptr, T, k, per_program, LEVEL: tl.constexpr, BITS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # scores [rows, T] fp32; hist [rows, LEVELS, 2^BITS] int32 (zeroed); program (row, p) reads
+    # scores[row, p*per_program:][:per_program]
     row, p = tl.program_id(0), tl.program_id(1)
-    hist_row = hist_ptr + row * 4 * 256
-    prefix, remaining = _chosen(hist_row, k, LEVEL)
+    hist_row = hist_ptr + row * (32 // BITS) * (1 << BITS)
+    prefix, remaining = _chosen(hist_row, k, LEVEL, BITS)
     start = p * per_program
     end = tl.minimum(start + per_program, T)
-    # Scores crowd into few bins (the top bits are the exponent's), and the histogram's shared-memory atomics on one
-    # bin serialise: each bin is kept 32 times, a copy per group of 4 neighbouring scores (about one a thread).
-    copy = (tl.arange(0, BLOCK) // 4) % 32
-    counts = tl.zeros((256 * 32,), tl.int32)
+    counts = tl.zeros((1 << BITS,), tl.int32)
     for first in range(start, end, BLOCK):
         t = first + tl.arange(0, BLOCK)
         ok = t < end
         key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=0.0))
-        digit = ((key >> (24 - 8 * LEVEL)) & 255).to(tl.int32)
+        digit = ((key >> (32 - BITS * (LEVEL + 1))) & ((1 << BITS) - 1)).to(tl.int32)
         if LEVEL > 0:
-            ok = ok & ((key >> (32 - 8 * LEVEL)) == prefix)
-        counts += tl.histogram(digit * 32 + copy, 256 * 32, mask=ok)
-    counts = tl.sum(tl.reshape(counts, (256, 32)), axis=1)
-    tl.atomic_add(hist_row + LEVEL * 256 + tl.arange(0, 256), counts, mask=counts > 0)
+            ok = ok & ((key >> (32 - BITS * LEVEL)) == prefix)
+        counts += tl.histogram(digit, 1 << BITS, mask=ok)
+    tl.atomic_add(hist_row + LEVEL * (1 << BITS) + tl.arange(0, 1 << BITS), counts, mask=counts > 0)
 
 
 @triton.jit
-def _count_kernel(scores_ptr, hist_ptr, counts_ptr, T, k, per_program, BLOCK: tl.constexpr):
+def _count_kernel(scores_ptr, hist_ptr, counts_ptr, T, k, per_program, BITS: tl.constexpr, BLOCK: tl.constexpr):
     # counts [rows, programs, 2] int32: this program's keys above the k-th largest, and equal to it
     row, p = tl.program_id(0), tl.program_id(1)
-    kth, _ = _chosen(hist_ptr + row * 4 * 256, k, 4)
+    kth, _ = _chosen(hist_ptr + row * (32 // BITS) * (1 << BITS), k, 32 // BITS, BITS)
     start = p * per_program
     end = tl.minimum(start + per_program, T)
     above = tl.zeros((), tl.int32)
@@ -93,12 +93,12 @@ def _count_kernel(scores_ptr, hist_ptr, counts_ptr, T, k, per_program, BLOCK: tl
 
 
 @triton.jit
-def _write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, T, k, per_program, BLOCK: tl.constexpr,
-                  PROGRAMS: tl.constexpr):
+def _write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, T, k, per_program, BITS: tl.constexpr,
+                  BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     # out [rows, k] int64: the row's positions above the k-th largest, then `ties` of those equal to it, each
     # ascending; -1 for a position whose score is -inf
     row, p = tl.program_id(0), tl.program_id(1)
-    kth, ties = _chosen(hist_ptr + row * 4 * 256, k, 4)
+    kth, ties = _chosen(hist_ptr + row * (32 // BITS) * (1 << BITS), k, 32 // BITS, BITS)
     others = tl.arange(0, PROGRAMS)
     row_counts = counts_ptr + row * tl.num_programs(1) * 2 + others * 2
     real = others < tl.num_programs(1)
@@ -142,12 +142,12 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     programs = max(1, min(MAX_PROGRAMS, _programs_wanted(scores.device) // S, triton.cdiv(T, BLOCK)))
     per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
     programs = triton.cdiv(T, per_program)
-    hist = torch.zeros(S, 4, BINS, dtype=torch.int32, device=scores.device)
+    hist = torch.zeros(S, LEVELS, 1 << BITS, dtype=torch.int32, device=scores.device)
     counts = torch.empty(S, programs, 2, dtype=torch.int32, device=scores.device)
     grid = (S, programs)
-    for level in range(4):
-        _histogram_kernel[grid](scores, hist, T, k, per_program, LEVEL=level, BLOCK=BLOCK, num_warps=8)
-    _count_kernel[grid](scores, hist, counts, T, k, per_program, BLOCK=BLOCK, num_warps=8)
-    _write_kernel[grid](scores, hist, counts, out, T, k, per_program, BLOCK=BLOCK,
+    for level in range(LEVELS):
+        _histogram_kernel[grid](scores, hist, T, k, per_program, LEVEL=level, BITS=BITS, BLOCK=BLOCK, num_warps=8)
+    _count_kernel[grid](scores, hist, counts, T, k, per_program, BITS=BITS, BLOCK=BLOCK, num_warps=8)
+    _write_kernel[grid](scores, hist, counts, out, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
                         PROGRAMS=triton.next_power_of_2(programs), num_warps=8)
     return out

@@ -71,8 +71,9 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def blockwise_fp8(self, x: torch.Tensor) -> bool:
-        return (self.fmt == "fp8" and x.dtype == torch.bfloat16 and not self.out_features % linear_triton.BLOCK
-                and not self.in_features % linear_triton.BLOCK and linear_triton.has_blockwise_fp8_mm(x.device))
+        return (self.fmt == "fp8" and x.dtype == torch.bfloat16
+                and linear_triton.blockwise_shape(self.out_features, self.in_features)
+                and linear_triton.has_blockwise_fp8_mm(x.device))
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """W [out, in] dequantised, in the compute dtype (absorbed MLA reads kv_b_proj's whole)."""
