@@ -4,13 +4,14 @@ Reference: `topk_indices` in glm5_offload/model/mla.py (torch.topk; -1 where the
 positions comes back, ties at the k-th value taken lowest position first, in a fixed order: the positions above the
 k-th value, then the tied ones, each ascending (a CUDA graph's replay equals eager; no atomics decide the output).
 
-Scores map to uint32 keys ordered as the floats are. Eight passes over a row each count, in a histogram of 16
-bins, the next 4 bits of the keys that share the bits chosen so far; the row is split over many programs that add
-their histograms into the row's. Each pass's programs first work out the bits chosen so far from the earlier
-passes' histograms (a few hundred adds, instead of a launch). After the eighth, the k-th largest key is known; one
-pass counts each program's keys above and equal to it, and the last writes the positions, each program at the
-offset the counts before it give. Why 16 bins: tl.histogram costs about one operation per bin per score (256 bins
-made a pass 8 us at 1M; 16 bins 0.5 us), and a pass's launch costs a few microseconds inside a CUDA graph.
+Scores map to uint32 keys ordered as the floats are. Four passes over a row each count, in a histogram of 256
+bins, the next 8 bits of the keys that share the bits chosen so far; the row is split over many programs that add
+their histograms into the row's. Each pass's programs start from the bits the previous pass started from (and how
+many of the top k were still to be found among the keys that share them) and that pass's histogram, choose the
+next 8 bits, and the first program records them for the next pass: one dependent load a pass. After the fourth,
+the k-th largest key is known; one pass counts each program's keys above and equal to it, and the last writes the
+positions, each program at the offset the counts before it give. Inside a CUDA graph a pass costs a few
+microseconds whatever it does, so the passes are few (bench/RESULTS.md: 8 passes of 4 bits were slower).
 """
 
 import functools
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from . import INTERPRET
 
-BITS = 4  # a pass's digit
+BITS = 8  # a pass's digit
 LEVELS = 32 // BITS
 BLOCK = 4096  # scores a program reads per iteration
 MAX_PROGRAMS = 256  # programs per row
@@ -35,29 +36,39 @@ def _keys(x):
 
 
 @triton.jit
-def _chosen(hist_row, k, DONE: tl.constexpr, BITS: tl.constexpr):
-    """The key bits chosen by the first DONE passes (their histograms in hist_row [LEVELS, 2^BITS]) and how many
-    keys of the top k remain to be found among the keys that start with them."""
+def _chosen(hist_row, state_row, k, LEVEL: tl.constexpr, BITS: tl.constexpr):
+    """The key bits chosen by the first LEVEL passes and how many keys of the top k remain to be found among the
+    keys that start with them: from state[LEVEL - 1] (the same for LEVEL - 1 passes; written by the previous pass's
+    first program) and pass LEVEL - 1's histogram hist_row[LEVEL - 1] [2^BITS]."""
+    if LEVEL == 0:
+        return tl.zeros((), tl.uint32), k
     bins = tl.arange(0, 1 << BITS)
-    prefix = tl.zeros((), tl.uint32)
-    remaining = k
-    for level in tl.static_range(DONE):
-        h = tl.load(hist_row + level * (1 << BITS) + bins)
-        at_or_above = tl.sum(h) - tl.cumsum(h, 0) + h  # keys in this bin or higher ones
-        digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1  # the highest bin that reaches the k-th
-        remaining -= tl.sum(tl.where(bins > digit, h, 0))
-        prefix = (prefix << BITS) | digit.to(tl.uint32)
-    return prefix, remaining
+    prefix = tl.load(state_row + 2 * (LEVEL - 1)).to(tl.uint32, bitcast=True)
+    remaining = tl.load(state_row + 2 * (LEVEL - 1) + 1)
+    h = tl.load(hist_row + (LEVEL - 1) * (1 << BITS) + bins)
+    at_or_above = tl.sum(h) - tl.cumsum(h, 0) + h  # keys in this bin or higher ones
+    digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1  # the highest bin that reaches the k-th
+    return (prefix << BITS) | digit.to(tl.uint32), remaining - tl.sum(tl.where(bins > digit, h, 0))
 
 
 @triton.jit
-def _histogram_kernel(scores_ptr, hist_ptr, T, k, per_program, LEVEL: tl.constexpr, BITS: tl.constexpr,
+def _record(state_row, prefix, remaining, LEVEL: tl.constexpr):
+    """The first program of a row keeps what _chosen found for the next pass."""
+    if tl.program_id(1) == 0:
+        tl.store(state_row + 2 * LEVEL, prefix.to(tl.int32, bitcast=True))
+        tl.store(state_row + 2 * LEVEL + 1, remaining)
+
+
+@triton.jit
+def _histogram_kernel(scores_ptr, hist_ptr, state_ptr, T, k, per_program, LEVEL: tl.constexpr, BITS: tl.constexpr,
                       BLOCK: tl.constexpr):
-    # scores [rows, T] fp32; hist [rows, LEVELS, 2^BITS] int32 (zeroed); program (row, p) reads
-    # scores[row, p*per_program:][:per_program]
+    # scores [rows, T] fp32; hist [rows, LEVELS, 2^BITS] int32 (zeroed); state [rows, LEVELS + 1, 2] int32;
+    # program (row, p) reads scores[row, p*per_program:][:per_program]
     row, p = tl.program_id(0), tl.program_id(1)
     hist_row = hist_ptr + row * (32 // BITS) * (1 << BITS)
-    prefix, remaining = _chosen(hist_row, k, LEVEL, BITS)
+    state_row = state_ptr + row * 2 * (32 // BITS + 1)
+    prefix, remaining = _chosen(hist_row, state_row, k, LEVEL, BITS)
+    _record(state_row, prefix, remaining, LEVEL)
     start = p * per_program
     end = tl.minimum(start + per_program, T)
     counts = tl.zeros((1 << BITS,), tl.int32)
@@ -73,10 +84,13 @@ def _histogram_kernel(scores_ptr, hist_ptr, T, k, per_program, LEVEL: tl.constex
 
 
 @triton.jit
-def _count_kernel(scores_ptr, hist_ptr, counts_ptr, T, k, per_program, BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _count_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, T, k, per_program, BITS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     # counts [rows, programs, 2] int32: this program's keys above the k-th largest, and equal to it
     row, p = tl.program_id(0), tl.program_id(1)
-    kth, _ = _chosen(hist_ptr + row * (32 // BITS) * (1 << BITS), k, 32 // BITS, BITS)
+    state_row = state_ptr + row * 2 * (32 // BITS + 1)
+    kth, ties = _chosen(hist_ptr + row * (32 // BITS) * (1 << BITS), state_row, k, 32 // BITS, BITS)
+    _record(state_row, kth, ties, 32 // BITS)
     start = p * per_program
     end = tl.minimum(start + per_program, T)
     above = tl.zeros((), tl.int32)
@@ -93,12 +107,13 @@ def _count_kernel(scores_ptr, hist_ptr, counts_ptr, T, k, per_program, BITS: tl.
 
 
 @triton.jit
-def _write_kernel(scores_ptr, hist_ptr, counts_ptr, out_ptr, T, k, per_program, BITS: tl.constexpr,
+def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, T, k, per_program, BITS: tl.constexpr,
                   BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     # out [rows, k] int64: the row's positions above the k-th largest, then `ties` of those equal to it, each
     # ascending; -1 for a position whose score is -inf
     row, p = tl.program_id(0), tl.program_id(1)
-    kth, ties = _chosen(hist_ptr + row * (32 // BITS) * (1 << BITS), k, 32 // BITS, BITS)
+    state_row = state_ptr + row * 2 * (32 // BITS + 1) + 2 * (32 // BITS)
+    kth, ties = tl.load(state_row).to(tl.uint32, bitcast=True), tl.load(state_row + 1)
     others = tl.arange(0, PROGRAMS)
     row_counts = counts_ptr + row * tl.num_programs(1) * 2 + others * 2
     real = others < tl.num_programs(1)
@@ -143,11 +158,13 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
     programs = triton.cdiv(T, per_program)
     hist = torch.zeros(S, LEVELS, 1 << BITS, dtype=torch.int32, device=scores.device)
+    state = torch.empty(S, LEVELS + 1, 2, dtype=torch.int32, device=scores.device)
     counts = torch.empty(S, programs, 2, dtype=torch.int32, device=scores.device)
     grid = (S, programs)
     for level in range(LEVELS):
-        _histogram_kernel[grid](scores, hist, T, k, per_program, LEVEL=level, BITS=BITS, BLOCK=BLOCK, num_warps=8)
-    _count_kernel[grid](scores, hist, counts, T, k, per_program, BITS=BITS, BLOCK=BLOCK, num_warps=8)
-    _write_kernel[grid](scores, hist, counts, out, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
+        _histogram_kernel[grid](scores, hist, state, T, k, per_program, LEVEL=level, BITS=BITS, BLOCK=BLOCK,
+                                num_warps=8)
+    _count_kernel[grid](scores, hist, state, counts, T, k, per_program, BITS=BITS, BLOCK=BLOCK, num_warps=8)
+    _write_kernel[grid](state, scores, counts, out, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
                         PROGRAMS=triton.next_power_of_2(programs), num_warps=8)
     return out
