@@ -63,25 +63,17 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 @triton.jit
 def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
                     H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                    KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr, Q_FP8: tl.constexpr,
-                    FP8_HW: tl.constexpr):
+                    KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
     # q [S, H, D], keys [T, D] (FP8: e4m3 bytes with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
     # one program: BLOCK_S queries x KEY_BLOCKS blocks of BLOCK_T keys, the queries loaded once. An FP8 key's
     # scale (> 0) comes out of the ReLU: relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and
-    # the score is scaled after. Q_FP8: q in e4m3 bytes too (its scales already in w), the dot in FP8 on FP8_HW
-    # GPUs, else in fp32 on the values widened by bit arithmetic (each / 256: the factors go into the scales).
+    # the score is scaled after.
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
     d = tl.arange(0, D)
     row_ok = rows < S * H
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-    if Q_FP8:
-        if FP8_HW:
-            q = q.to(tl.float8e4nv, bitcast=True)
-        else:
-            q = e4m3_to_f16(q).to(tl.float32)
-            scale = scale * 256.0
-    elif CAST:
+    if CAST:
         q = q.to(tl.float32)
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -89,22 +81,65 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
     for b in tl.static_range(KEY_BLOCKS):
         cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
         k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
-        key_scale = 1.0
         if FP8:
-            if Q_FP8 and FP8_HW:
-                k = k.to(tl.float8e4nv, bitcast=True)
-            else:
-                k = e4m3_to_f16(k).to(q.dtype)  # e4m3 bytes -> values / 256, exact in bf16 and fp32
-                key_scale = 256.0
-        else:
-            k = k.to(q.dtype)
+            k = e4m3_to_f16(k)  # e4m3 bytes -> values / 256, exact in bf16 and fp32 (256 goes into the scale)
+        k = k.to(q.dtype)
         logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_S*H, BLOCK_T]
         weighted = tl.maximum(logits, 0.0) * w[:, None]
         scores = tl.sum(tl.reshape(weighted, (BLOCK_S, H, BLOCK_T)), axis=1)  # [BLOCK_S, BLOCK_T]
         if FP8:
-            scores = scores * (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * key_scale)[None, :]
+            scores = scores * (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * 256.0)[None, :]
         scores = tl.where(cols[None, :] > pos[:, None], float("-inf"), scores)
         tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
+
+
+@triton.jit
+def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
+                        H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, S_PAD: tl.constexpr,
+                        BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr, FP8_HW: tl.constexpr, CAST: tl.constexpr):
+    # The prefill form over FP8 queries and keys, laid out as flash attention is: q [S, H, D] and keys [T, D] e4m3
+    # bytes (q's scales already in w [S, H] fp32, the keys' in ks [T]), out [S, T] fp32. Per block of keys:
+    #   logits^T = k q^T                  [BLOCK_T, BLOCK_S*H]   (an FP8 dot on FP8_HW GPUs)
+    #   scores^T = relu(logits^T) W       [BLOCK_T, S_PAD]       W[(s, h), s] = w[s, h], zero elsewhere
+    # so the sum over heads is a second dot on the first one's registers (in bf16) instead of a reduction across
+    # threads. Without FP8_HW (sm86) the first dot takes the values widened to fp16 by bit arithmetic (exact, each
+    # / 256: the factors go into the scales); CAST (the interpreter): both dots in fp32.
+    pid_t, pid_s = tl.program_id(0), tl.program_id(1)
+    pairs = tl.arange(0, BLOCK_S * H)  # (query, head), head fastest
+    rows = pid_s * BLOCK_S * H + pairs
+    d = tl.arange(0, D)
+    row_ok = rows < S * H
+    q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0)
+    if FP8_HW:
+        q = q.to(tl.float8e4nv, bitcast=True)
+        key_scale = 1.0
+    else:
+        q = e4m3_to_f16(q)
+        key_scale = 65536.0
+        if CAST:
+            q = q.to(tl.float32)
+    column = tl.arange(0, S_PAD)
+    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
+    heads_sum = tl.where((pairs // H)[:, None] == column[None, :], w[:, None], 0.0)  # [BLOCK_S*H, S_PAD]
+    if not CAST:
+        heads_sum = heads_sum.to(tl.bfloat16)
+    s = pid_s * BLOCK_S + column
+    s_ok = (column < BLOCK_S) & (s < S)
+    pos = tl.load(pos_ptr + s, mask=s_ok, other=0)
+    for b in tl.static_range(KEY_BLOCKS):
+        cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
+        k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0)
+        if FP8_HW:
+            k = k.to(tl.float8e4nv, bitcast=True)
+        else:
+            k = e4m3_to_f16(k).to(q.dtype)
+        relu = tl.maximum(tl.dot(k, tl.trans(q), input_precision="ieee"), 0.0)  # [BLOCK_T, BLOCK_S*H]
+        if not CAST:
+            relu = relu.to(tl.bfloat16)
+        scores = tl.dot(relu, heads_sum, input_precision="ieee")  # [BLOCK_T, S_PAD]
+        scores *= (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * (scale * key_scale))[:, None]
+        scores = tl.where(cols[:, None] > pos[None, :], float("-inf"), scores)
+        tl.store(out_ptr + s[None, :] * T + cols[:, None], scores, mask=s_ok[None, :] & (cols[:, None] < T))
 
 
 def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +158,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32,
     positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. q_fp8 (FP8 keys
     only; default: a prefill, S > 4, on a GPU with FP8 tensor cores) quantises q per (query, head)
-    (quantize_queries) and takes FP8 dots. The block shapes default to the fastest of bench_dsa's sweep on an H200.
+    (quantize_queries) and runs _indexer_fp8_kernel (FP8 dots; the weighted sum over heads in bf16). The block
+    shapes default to the fastest of bench_dsa's sweeps on an H200.
     """
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
@@ -134,10 +170,18 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
         q_fp8 = fp8 and S > 4 and has_fp8_dot(q.device)
     if q_fp8 and not fp8:
         raise ValueError("q_fp8 is for float8_e4m3fn keys")
-    if q_fp8:
-        q, weights = quantize_queries(q, weights)
-        q = q.view(torch.uint8)
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
+    if q_fp8:
+        q8, weights = quantize_queries(q, weights)
+        block_s = block_s or max(1, 256 // H)
+        block_t = block_t or 64
+        grid = (triton.cdiv(T, block_t * (key_blocks or 4)), triton.cdiv(S, block_s))
+        _indexer_fp8_kernel[grid](q8.view(torch.uint8), keys.contiguous().view(torch.uint8), key_scales.contiguous(),
+                                  weights.contiguous(), positions.contiguous(), out, S, T, D**-0.5, H=H, D=D,
+                                  BLOCK_S=block_s, S_PAD=max(16, block_s), BLOCK_T=block_t,
+                                  KEY_BLOCKS=key_blocks or 4, FP8_HW=has_fp8_dot(q.device), CAST=INTERPRET,
+                                  num_warps=num_warps or 8, num_stages=num_stages)
+        return out
     decode = S <= 4
     block_s = min(block_s or max(1, 256 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
     block_t = block_t or 128
@@ -148,8 +192,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     keys = keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous()
     _indexer_kernel[grid](q.contiguous(), keys, scales, weights.float().contiguous(),
                           positions.contiguous(), out, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t,
-                          KEY_BLOCKS=key_blocks, CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, Q_FP8=q_fp8,
-                          FP8_HW=has_fp8_dot(q.device), num_warps=num_warps, num_stages=num_stages)
+                          KEY_BLOCKS=key_blocks, CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8,
+                          num_warps=num_warps, num_stages=num_stages)
     return out
 
 

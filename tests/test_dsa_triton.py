@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from glm5_offload.formats.kv_rows import dequantize_latent, quantize_keys, quantize_latent
-from glm5_offload.kernels import dsa_triton
+from glm5_offload.kernels import INTERPRET, dsa_triton
 from glm5_offload.loader import load_model
 from glm5_offload.model import indexer_scores, sparse_mla, topk_indices
 from glm5_offload.rules import load_rules
@@ -163,7 +163,8 @@ def test_indexer_scores_fp8_queries(S, H, T):
 
 def check_indexer_fp8_queries(S, H, D, T):
     """q_fp8: queries in e4m3 per (query, head), their scales in the weights: the scores of the dequantised
-    queries and keys, within e4m3's precision of the bf16 queries' scores."""
+    queries and keys (on a GPU within the bf16 rounding of the heads' sum: ReLU'd logits and weights), and within
+    e4m3's precision of the bf16 queries' scores."""
     g = torch.Generator().manual_seed(S * T)
     q = torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16)
     k8, scales = quantize_keys(torch.randn(T, D, generator=g).to(DEVICE))
@@ -174,7 +175,8 @@ def check_indexer_fp8_queries(S, H, D, T):
     q_scales = w_scaled / w
     ref = indexer_scores(q8.float() * q_scales[..., None], k8.float() * scales[:, None], w, positions)
     finite = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(got), finite) and rel_err(got[finite], ref[finite]) < 1e-5
+    tolerance = 1e-5 if INTERPRET else 4e-3
+    assert torch.equal(torch.isfinite(got), finite) and rel_err(got[finite], ref[finite]) < tolerance
     exact = indexer_scores(q.float(), k8.float() * scales[:, None], w, positions)
     assert rel_err(got[finite], exact[finite]) < 0.05  # e4m3's 3 mantissa bits
     with pytest.raises(ValueError, match="q_fp8"):

@@ -58,27 +58,37 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_rows as g, linear_triton as l
+from glm5_offload.kernels import topk_triton as t
 
 K = lambda names: {n: "constexpr" for n in names.split()}
-fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32",
-              "N": "i32", "K": "i32", "blocks_per_split": "i32", **K("BLOCK_M BLOCK_N ACT_FP8 FP8_HW CAST STEP VECTOR")}
+fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+              "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "blocks_per_split": "i32",
+              **K("BLOCK_M BLOCK_N ACT_FP8 FP8_HW CAST STEP VECTOR")}
+int4_linear = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+               "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "groups_per_split": "i32",
+               **K("G BLOCK_M BLOCK_N CAST STEP VECTOR")}
+indexer = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*fp32",
+           "S": "i32", "T": "i32", "scale": "fp32"}
+indexer_fp8 = {**indexer, "q_ptr": "*u8", **K("H D BLOCK_S S_PAD BLOCK_T KEY_BLOCKS FP8_HW CAST")}
+indexer_fp8_tile = lambda hw: dict(H=32, D=128, BLOCK_S=8, S_PAD=16, BLOCK_T=64, KEY_BLOCKS=4, FP8_HW=hw, CAST=False)
+rows = {"scores_ptr": "*fp32", "T": "i32", "k": "i32", "per_program": "i32"}
 fp8_tile = lambda **k: {**dict(BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=False), **k}
 KERNELS = [
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, STEP=2)),
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, VECTOR=True)),
     (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True)),
-    (l._int4_kernel, {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "M": "i32", "N": "i32",
-                      "K": "i32", "groups_per_split": "i32", **K("G BLOCK_M BLOCK_N CAST")},
-     dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False)),
+    (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False, STEP=2, VECTOR=False)),
+    (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=1, BLOCK_N=64, CAST=False, STEP=2, VECTOR=True)),
+    (l._quantize_activations_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32",
+                                      "K": "i32", **K("BLOCK_M FP8_MAX")}, dict(BLOCK_M=16, FP8_MAX=448.0)),
     (l._fp8_dequantize_kernel, {"w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
                                 **K("BLOCK_N")}, dict(BLOCK_N=64)),
     (d._rope_quant_kernel, {"k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*u8",
                             "scale_ptr": "*fp32", "rows_ptr": "*i64", **K("D RD HALF REST INTERLEAVED FP8_MAX")},
      dict(D=128, RD=64, HALF=32, REST=64, INTERLEAVED=False, FP8_MAX=448.0)),
-    (d._indexer_kernel, {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64",
-                         "out_ptr": "*fp32", "S": "i32", "T": "i32", "scale": "fp32",
-                         **K("H D BLOCK_S BLOCK_T KEY_BLOCKS CAST FP8")},
+    (d._indexer_kernel, {**indexer, **K("H D BLOCK_S BLOCK_T KEY_BLOCKS CAST FP8")},
      dict(H=32, D=128, BLOCK_S=8, BLOCK_T=128, KEY_BLOCKS=4, CAST=False, FP8=True)),
+    (d._indexer_fp8_kernel, indexer_fp8, indexer_fp8_tile(False)),
     (d._sparse_mla_kernel, {"qc_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*u8", "idx_ptr": "*i64",
                             "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32", "K": "i32", "H": "i32",
                             "rows_per_split": "i32", "scale": "fp32", **K("L R RB G BLOCK_H BLOCK_K CAST FP8")},
@@ -95,12 +105,21 @@ KERNELS = [
                             "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
                              **K("WORDS BLOCK")}, dict(WORDS=328, BLOCK=512)),
+    (t._histogram_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", **K("LEVEL BITS BLOCK")},
+     dict(LEVEL=0, BITS=8, BLOCK=4096)),
+    (t._histogram_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", **K("LEVEL BITS BLOCK")},
+     dict(LEVEL=2, BITS=8, BLOCK=4096)),
+    (t._count_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", "counts_ptr": "*i32", **K("BITS BLOCK")},
+     dict(BITS=8, BLOCK=4096)),
+    (t._write_kernel, {"state_ptr": "*i32", **rows, "counts_ptr": "*i32", "out_ptr": "*i64", **K("BITS BLOCK PROGRAMS")},
+     dict(BITS=8, BLOCK=4096, PROGRAMS=256)),
 ]
 NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 failed = []
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
       (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, FP8_HW=True, STEP=2)),
-      (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, FP8_HW=True, VECTOR=True))]
+      (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, FP8_HW=True, VECTOR=True)),
+      (89, d._indexer_fp8_kernel, indexer_fp8, indexer_fp8_tile(True))]
 for capability, fn, signature, constants in [(86, *k) for k in KERNELS] + HW:
     try:
         triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", capability, 32))
@@ -116,4 +135,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "13 kernels" in proc.stdout
+    assert "20 kernels" in proc.stdout

@@ -2,8 +2,8 @@
 in Triton kernels (kernels/dsa_triton.py).
 
 Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
-indexer and keeps no indexer cache. The indexer selects with kernels/topk_triton.py's radix select (the pooled
-indexer, whose rows are index_kpool times shorter, with torch.topk). FP8 indexer keys are roped and quantised by one
+indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
+rows and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised by one
 kernel straight into the cache rows.
 """
 
@@ -14,6 +14,7 @@ from ..model.pooled_indexer import last_complete_group
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
 
 DEVICES = ("cuda", "cpu") if INTERPRET else ("cuda",)  # the CPU only in Triton's interpreter (the tests)
+RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200: 1 row 46 us vs 133, 16 rows 451 vs 281)
 
 
 class TritonIndexer(Indexer):
@@ -30,7 +31,10 @@ class TritonIndexer(Indexer):
                                       rows=positions)
 
     def select(self, scores):
-        return topk_triton.topk_indices(scores, self.topk)
+        """Decode rows (up to 4) by the radix select; more at once by torch.topk, faster there (bench/RESULTS.md)."""
+        if scores.shape[0] <= RADIX_ROWS:
+            return topk_triton.topk_indices(scores, self.topk)
+        return super().select(scores)
 
     def query_chunk(self, n_keys: int) -> int:
         """The kernel sums over heads as it goes: only [queries, keys] scores are held."""
