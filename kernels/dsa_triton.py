@@ -174,13 +174,13 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     if q_fp8:
         q8, weights = quantize_queries(q, weights)
         block_s = block_s or max(1, 256 // H)
-        block_t = block_t or 64
-        grid = (triton.cdiv(T, block_t * (key_blocks or 4)), triton.cdiv(S, block_s))
+        block_t, key_blocks = block_t or 64, key_blocks or 16
+        grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
         _indexer_fp8_kernel[grid](q8.view(torch.uint8), keys.contiguous().view(torch.uint8), key_scales.contiguous(),
                                   weights.contiguous(), positions.contiguous(), out, S, T, D**-0.5, H=H, D=D,
                                   BLOCK_S=block_s, S_PAD=max(16, block_s), BLOCK_T=block_t,
-                                  KEY_BLOCKS=key_blocks or 4, FP8_HW=has_fp8_dot(q.device), CAST=INTERPRET,
-                                  num_warps=num_warps or 8, num_stages=num_stages)
+                                  KEY_BLOCKS=key_blocks, FP8_HW=has_fp8_dot(q.device), CAST=INTERPRET,
+                                  num_warps=num_warps or 4, num_stages=num_stages)
         return out
     decode = S <= 4
     block_s = min(block_s or max(1, 256 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
