@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.kv_rows import dequantize_latent, quantize_keys, quantize_latent
 from glm5_offload.kernels import INTERPRET, dsa_triton
 from glm5_offload.loader import load_model
@@ -214,3 +215,35 @@ def check_rope_quant(N, D, RD, interleaved):
     # (fused multiply-adds) rounds differently from torch's
     assert (got == want).float().mean() > 0.999
     assert ((got - want).abs() <= want.abs() / 8 + 2.0**-9).all()
+
+
+@pytest.mark.parametrize("setting, passed", [("", None), ("fp8_queries: true", None), ("fp8_queries: false", False)])
+def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, setting, passed):
+    """indexer.dsa_triton's fp8_queries: by default (true) the kernel decides (FP8 queries for a prefill over FP8
+    keys on an FP8 GPU); false keeps the queries in the compute dtype everywhere; a bad value is refused in one
+    line."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+
+    def rules(kwargs: str):
+        file = tmp_path / "fp8.yaml"
+        file.write_text(f"""
+- default: {{device: cpu}}
+- match: {{class: Attention}}
+  replace: {{op: attention.dsa_triton, device: cpu, kwargs: {{kv_dtype: fp8}}}}
+- match: {{class: Indexer}}
+  replace: {{op: indexer.dsa_triton, device: cpu, kwargs: {{{kwargs}}}}}
+""")
+        return load_rules(file)
+
+    model = load_model(path, dtype=torch.float32, rules=rules(setting))
+    original, seen = dsa_triton.indexer_scores, []
+
+    def spy(q, keys, *args, **kwargs):
+        seen.append(kwargs.get("q_fp8"))
+        return original(q, keys, *args, **kwargs)
+
+    monkeypatch.setattr(dsa_triton, "indexer_scores", spy)
+    model(torch.arange(4, 44), new_cache(model, 64))
+    assert seen and set(seen) == {passed}
+    with pytest.raises(Glm5Error, match="fp8_queries must be true or false, got 'maybe'"):
+        load_model(path, dtype=torch.float32, rules=rules("fp8_queries: maybe"))

@@ -7,6 +7,7 @@ rows and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 i
 kernel straight into the cache rows.
 """
 
+from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton, topk_triton
 from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, indexer_scores
@@ -18,9 +19,12 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 
 
 class TritonIndexer(Indexer):
+    fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
+
     def scores(self, q, keys, weights, positions, end):
         if isinstance(keys, FP8Keys):
-            return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end])
+            return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end],
+                                             q_fp8=None if self.fp8_queries else False)
         return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
 
     def write_keys(self, k, cos, sin, keys, positions):
@@ -56,11 +60,28 @@ class TritonAttention(Attention):
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)[0]
 
 
+class TritonIndexerOperator(IndexerOperator):
+    """kwargs: fp8_queries (default true): over FP8 keys on a GPU with FP8 tensor cores, a prefill chunk's queries go
+    to e4m3 per (query, head) and the scores take FP8 dots, as DeepSeek's indexer and vLLM's do (faster; selections
+    near a tie can differ from bf16 queries'); false keeps them in the compute dtype."""
+
+    def parse_kwargs(self, kwargs: dict) -> dict:
+        fp8_queries = kwargs.get("fp8_queries", True)
+        if not isinstance(fp8_queries, bool):
+            raise Glm5Error(f"fp8_queries must be true or false, got {fp8_queries!r}")
+        return {"fp8_queries": fp8_queries}
+
+    def build(self, slot, checkpoint, ctx):
+        module = super().build(slot, checkpoint, ctx)
+        module.fp8_queries = slot.kwargs["fp8_queries"]
+        return module
+
+
 OPERATORS = (
     AttentionOperator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
                       kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES, module_class=TritonAttention),
-    IndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores and top-k in Triton kernels",
-                    delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
+    TritonIndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores and top-k in Triton kernels",
+                          kwargs=("fp8_queries",), delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
     IndexerOperator("pooled_indexer.dsa_triton", PooledIndexer, "GLM-5.3-Flash's group scores in the indexer's "
                     "Triton kernel, torch.topk", delegates=(Linear,), devices=DEVICES, module_class=TritonPooledIndexer),
 )
