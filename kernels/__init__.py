@@ -5,6 +5,15 @@ Kernels import nothing of the engine but the formats they compute in. Under TRIT
 Triton kernels run in Triton's interpreter.
 """
 
+import functools
 import os
 
+import torch
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def programs_wanted(device: torch.device) -> int:
+    """Programs that keep every SM busy (4 per SM); 1 in the interpreter (each program costs time there)."""
+    return 1 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count

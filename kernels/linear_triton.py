@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_MAX, fp8_blocks, int_groups
-from . import INTERPRET
+from . import INTERPRET, programs_wanted
 from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
 
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
@@ -205,12 +205,6 @@ def _fp8_dequantize_kernel(w_ptr, ws_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
 
 
 @functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """Programs that keep every SM streaming (4 per SM); 1 in the interpreter (each program costs time there)."""
-    return 1 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _tile_counters(device: torch.device) -> torch.Tensor:
     """Arrival counters of split decode tiles (each left at 0 by the tile's last program). One per device: kernels
     that split run on one stream at a time."""
@@ -226,7 +220,7 @@ def _launch(kernel, x, steps: int, N: int, args: tuple, tile: dict | None = None
     block_m = 1 if meta.get("VECTOR") else max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
     block_n = tile["block_n"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    per_split = triton.cdiv(steps, max(1, min(steps, _programs_wanted(x.device) // tiles))) if decode else steps
+    per_split = triton.cdiv(steps, max(1, min(steps, programs_wanted(x.device) // tiles))) if decode else steps
     splits = triton.cdiv(steps, per_split)
     if splits > 1 and tiles > MAX_TILES:
         raise ValueError(f"{tiles} tiles split over the inputs: more than the {MAX_TILES} counters")

@@ -14,13 +14,12 @@ positions, each program at the offset the counts before it give. Inside a CUDA g
 microseconds whatever it does, so the passes are few (bench/RESULTS.md: 8 passes of 4 bits were slower).
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from . import INTERPRET
+from . import programs_wanted
 
 BITS = 8  # a pass's digit
 LEVELS = 32 // BITS
@@ -139,12 +138,6 @@ def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, T, k, per_program,
         equal_before += tl.sum(is_equal.to(tl.int32))
 
 
-@functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """Programs that fill the GPU (4 per SM); 1 in the interpreter (each program costs time there)."""
-    return 1 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the top min(k, T) scores of each row of scores [S, T] fp32 -> [S, min(k, T)] int64, -1 where the
     score is -inf (model.mla.topk_indices' set; ties lowest position first, in the order the docstring gives)."""
@@ -154,7 +147,7 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     if S == 0 or k == 0:
         return out
     scores = scores.float().contiguous()
-    programs = max(1, min(MAX_PROGRAMS, _programs_wanted(scores.device) // S, triton.cdiv(T, BLOCK)))
+    programs = max(1, min(MAX_PROGRAMS, programs_wanted(scores.device) // S, triton.cdiv(T, BLOCK)))
     per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
     programs = triton.cdiv(T, per_program)
     hist = torch.zeros(S, LEVELS, 1 << BITS, dtype=torch.int32, device=scores.device)

@@ -75,7 +75,7 @@ def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     """Decode splits the inputs over programs (forced here: the interpreter runs one); the tile's last program adds
     the partial sums up to the reference, and two calls give the same bits. Every decode tile: several 128-blocks
     (int4: groups) per step, the M = 1 vector form, more steps than a split holds."""
-    monkeypatch.setattr(linear_triton, "_programs_wanted", lambda device: 64)
+    monkeypatch.setattr(linear_triton, "programs_wanted", lambda device: 64)
     monkeypatch.setitem(linear_triton.DECODE_TILE, "step", tile.get("step", 1))
     monkeypatch.setitem(linear_triton.DECODE_TILE, "vector", tile.get("vector", False))
     monkeypatch.setitem(linear_triton.INT4_DECODE_TILE, "step", tile.get("step", 1))
