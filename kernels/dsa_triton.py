@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import FP8_MAX
+from ..formats import FP8_MAX, fp8_blocks
 from ..formats.kv_rows import latent_group
 from . import INTERPRET
 from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
@@ -143,10 +143,12 @@ def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, sca
 
 
 def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [S, H, D] -> (e4m3 [S, H, D], weights [S, H] times each (query, head)'s scale): the scale (amax / 448)
-    comes out of the ReLU as a key's does (DeepSeek's indexer quantises its queries so)."""
-    q_scales = q.float().abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (q.float() / q_scales[..., None]).to(torch.float8_e4m3fn), weights.float() * q_scales
+    """q [S, H, D] -> (e4m3 [S, H, D], weights [S, H] times each (query, head)'s scale): fp8_blocks'
+    quantize_activations with a block of D; the scale comes out of the ReLU as a key's does (DeepSeek's indexer
+    quantises its queries so)."""
+    S, H, D = q.shape
+    q8, q_scales = fp8_blocks.quantize_activations(q.reshape(S * H, D), block=D)
+    return q8.view(S, H, D), weights.float() * q_scales.view(S, H)
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
