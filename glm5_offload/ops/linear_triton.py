@@ -130,16 +130,20 @@ class LinearOperator(Operator):
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """The weights, and as workspace a decode step's partial sums (split over the inputs: at most 4 programs of
-        [32, 128] fp32 per SM, on a GPU of up to 132 SMs) or a prefill's widened W or FP8 activations (not
-        lm_head's)."""
-        if self._packing(slot)[0] not in ("fp8", "int4"):
+        [32, 128] fp32 per SM, on a GPU of up to 132 SMs) or a prefill's widened W, or its FP8 activations where
+        cuBLAS's blockwise GEMM may take the shape (not lm_head's)."""
+        fmt = self._packing(slot)[0]
+        if fmt not in ("fp8", "int4"):
             return super().memory(slot, ctx)
         partials = 4 * 132 * linear_triton.DECODE_ROWS * 128 * 4
-        shape = (slot.module.out_features, slot.module.in_features)
-        prefill = 0 if self.replaces is LMHead else max(shape[0] * shape[1] * ctx.dtype.itemsize,
-                                                        ctx.prefill_chunk * shape[1] * (1 + 4 / 128))
+        N, K = slot.module.out_features, slot.module.in_features
+        prefill = 0
+        if self.replaces is not LMHead:
+            prefill = N * K * ctx.dtype.itemsize
+            if fmt == "fp8" and linear_triton.blockwise_shape(N, K):
+                prefill = max(prefill, ctx.prefill_chunk * (K + K // linear_triton.BLOCK * 4))
         return [Buffer(slot.device, "weights", self.weight_bytes(slot, ctx.dtype)),
-                Buffer(slot.device, "workspace", int(max(partials, prefill)))]
+                Buffer(slot.device, "workspace", max(partials, prefill))]
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
         fmt, group = self._packing(slot)
