@@ -169,7 +169,8 @@ def indexer_prefill_fp8(table: list, mm: float) -> dict:
     rows["indexer_fp8q_topk_overlap"] = {"mean": overlap.mean().item(), "min": overlap.min().item(),
                                          "rows_equal": (overlap == 1).float().mean().item()}
     table.append(("top-2048 of FP8-query scores vs bf16-query scores (2048 rows of 131072)",
-                  f"mean overlap {overlap.mean():.4f}, min {overlap.min():.4f}, rows equal {(overlap == 1).float().mean():.1%}"))
+                  f"mean overlap {overlap.mean():.4f}, min {overlap.min():.4f}, "
+                  f"rows equal {(overlap == 1).float().mean():.1%}"))
     return rows
 
 

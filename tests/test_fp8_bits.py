@@ -111,8 +111,8 @@ KERNELS = [
      dict(LEVEL=2, BITS=8, BLOCK=4096)),
     (t._count_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", "counts_ptr": "*i32", **K("BITS BLOCK")},
      dict(BITS=8, BLOCK=4096)),
-    (t._write_kernel, {"state_ptr": "*i32", **rows, "counts_ptr": "*i32", "out_ptr": "*i64", **K("BITS BLOCK PROGRAMS")},
-     dict(BITS=8, BLOCK=4096, PROGRAMS=256)),
+    (t._write_kernel, {"state_ptr": "*i32", **rows, "counts_ptr": "*i32", "out_ptr": "*i64",
+                       **K("BITS BLOCK PROGRAMS")}, dict(BITS=8, BLOCK=4096, PROGRAMS=256)),
 ]
 NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 failed = []

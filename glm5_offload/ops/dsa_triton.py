@@ -3,8 +3,8 @@ in Triton kernels (kernels/dsa_triton.py).
 
 Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
 indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
-rows and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised by one
-kernel straight into the cache rows.
+rows and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
+by one kernel straight into the cache rows.
 """
 
 from ..errors import Glm5Error
@@ -15,7 +15,8 @@ from ..model.pooled_indexer import last_complete_group
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
 
 DEVICES = ("cuda", "cpu") if INTERPRET else ("cuda",)  # the CPU only in Triton's interpreter (the tests)
-RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200: 1 row 46 us vs 133, 16 rows 451 vs 281)
+RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200: 1 row 46 us against 133;
+# 16 rows 451 us against 281)
 
 
 class TritonIndexer(Indexer):
