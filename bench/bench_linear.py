@@ -73,7 +73,6 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
     for name, n, k in [("q_b_proj", 16384, 2048), ("o_proj", 6144, 16384), ("shared gate/up", 2048, 6144)]:
         w16, (w8, s8), (w4, s4) = weights(n, k)
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-        x8, xs = linear_triton.quantize_activations(x)
         flops = 2 * tokens * n * k
         figures = {"shape": name, "tokens": tokens}
         runs = [("bf16", lambda: F.linear(x, w16)),
@@ -86,6 +85,7 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
             y = linear_triton.fp8_blockwise_linear(x, w8, s8).float()
             want = linear_triton.linear_reference(x, "fp8", w8, s8, fp8_dot=True).cuda()
             figures["cuBLAS blockwise rel err"] = ((y - want).norm() / want.norm()).item()
+            x8, xs = linear_triton.quantize_activations(x)
             runs += [("cuBLAS blockwise", lambda: linear_triton._blockwise_mm(x8, xs, w8, s8, torch.bfloat16)),
                      ("cuBLAS blockwise + quantise", lambda: linear_triton.fp8_blockwise_linear(x, w8, s8))]
         for fmt, fn in runs:
