@@ -11,7 +11,7 @@ from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
-from glm5_offload.runtime.tiered_kv import TieredLatent
+from glm5_offload.runtime.tiered_kv import TieredLatent, least_recent
 
 from conftest import refused_rule
 
@@ -56,7 +56,8 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
         end += 1
         picks = torch.randperm(end, generator=g)[:16]
         if step % 3:  # the same rows again (as DSA's selections mostly are): they must be hits
-            picks[:12] = last[:12]
+            fresh = picks[~torch.isin(picks, last[:12])]  # distinct, as a top-k's row is
+            picks = torch.cat([last[:12], fresh[:4]])
         indices = torch.cat([picks, torch.tensor([-1, -1])])[None].to(DEVICE)
         tier.fetch(indices, end - 1, end - tier.window)  # the newest token (end - 1) is in the window
         check_resident(tier, picks.to(DEVICE))
@@ -72,6 +73,23 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     picks = torch.tensor([0, 150, 199, 201]).to(DEVICE)
     tier.fetch(picks[None], 200, 203 - tier.window)
     check_resident(tier, picks)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_least_recent_picks_the_oldest_slots(device):
+    """The n oldest stamps' slots (the GPU's radix select over ages, torch.topk on the CPU); the slots the current
+    fetch stamped (age 0) never, even with ties among the old ones and ages past fp32's exact range."""
+    g = torch.Generator().manual_seed(2)
+    step = torch.tensor((1 << 26) + 500)
+    stamp = torch.randint(0, 400, (3000,), generator=g) + (1 << 26)  # ties: 3000 slots, 400 stamps
+    stamp[torch.randperm(3000, generator=g)[:700]] = step  # used by this fetch
+    stamp[:5] = 3  # older than fp32 tells apart from each other
+    n = 1000
+    got = least_recent(stamp.to(device), step.to(device), n).cpu()
+    assert len(set(got.tolist())) == n
+    assert (stamp[got] < step).all()
+    assert stamp[got].max() <= stamp.sort().values[n - 1]  # as old as the n-th oldest or older
+    assert set(range(5)) <= set(got.tolist())
 
 
 def offload_rules(tmp_path, device, hot_budget, window, kv_dtype="auto", op="attention.reference", prefill_rows=4096):

@@ -17,7 +17,10 @@ kernels/gather_rows.py); on the CPU both tiers are host tensors and the same log
 import torch
 
 from ..errors import Glm5Error
+from ..kernels import topk_triton
 from ..kernels.gather_rows import gather_rows
+
+OLDEST = 1 << 24  # ages up to here are exact in fp32 (the radix select's scores); older ones are all "old"
 
 
 class TieredLatent:
@@ -68,18 +71,20 @@ class TieredLatent:
 
     def fetch(self, indices: torch.Tensor, below, window_from):
         """Make the rows of indices [S, K] (< below; -1 = none) hot. Window rows of tokens < window_from count
-        as misses: they leave the window before attention reads them. Needs lru >= 2 S K. below and window_from
-        are ints or 0-d device tensors."""
+        as misses: they leave the window before attention reads them. Needs lru >= 2 S K, and each row's positions
+        distinct (a top-k's). below and window_from are ints or 0-d device tensors."""
         t = indices.flatten()
-        t = torch.where((t >= 0) & (t < below), t, -1).sort().values
-        t[1:].masked_fill_(t[1:] == t[:-1], -1)  # each token once
+        t = torch.where((t >= 0) & (t < below), t, -1)
+        if indices.shape[0] > 1:  # rows of several queries share tokens: each token once (one row needs no sort)
+            t = t.sort().values
+            t[1:].masked_fill_(t[1:] == t[:-1], -1)
         valid = t >= 0
         slot = self.slot_of[t]  # t = -1 reads the dummy token's -1
         hit = valid & (slot >= 0) & ((slot >= self.window) | (t >= window_from))
         miss = valid & ~hit
         self.step += 1
         self.stamp[torch.where(hit & (slot >= self.window), slot - self.window, self.lru)] = self.step
-        victims = self.stamp[: self.lru].topk(t.numel(), largest=False).indices  # the least recently used
+        victims = least_recent(self.stamp[: self.lru], self.step, t.numel())
         lru_slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)], self.lru)
         evicted = self.token_of[lru_slot]
         self.slot_of.index_fill_(0, evicted, -1)  # evicted = -1 for the dummy slot: the dummy token stays -1
@@ -96,3 +101,13 @@ class TieredLatent:
         """Whether the queries of indices [S, K] can read the hot buffer: their misses fit the LRU part twice over, and
         their own rows are hot (S within the window: a longer chunk reads rows of its own that only the host has)."""
         return 2 * indices.numel() <= self.lru and indices.shape[0] <= self.window
+
+
+def least_recent(stamp: torch.Tensor, step: torch.Tensor, n: int) -> torch.Tensor:
+    """The n slots of stamp [lru] (the fetch that last used each) used least recently, in any order. On a GPU by the
+    radix select over their ages (torch.topk sorts: 120 us for 2048 of 12K slots on the H200, bench/RESULTS.md);
+    the rows this fetch uses have age 0 and the others >= 1, so they are never chosen while lru >= 2n."""
+    if not stamp.is_cuda:
+        return stamp.topk(n, largest=False).indices
+    age = (step - stamp).clamp(max=OLDEST).float()
+    return topk_triton.topk_indices(age[None], n)[0]
