@@ -187,10 +187,20 @@ class Attention(nn.Module):
                 indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
         else:
             indices = shared_indices
-        wkv_b = self.kv_b_proj.dense_weight().to(x.device).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = wkv_b[:, : self.nope].float(), wkv_b[:, self.nope :].float()
-        q_lat = torch.einsum("shd,hdl->shl", q_nope.float(), w_uk)  # [S, H, kv_lora_rank]
+        q_lat = self.absorb_query(q_nope)
         o = torch.cat([self.attend(q_lat[a:b], q_pe[a:b], latent, rows)
                        for a, b, latent, rows in cache.row_pieces(self.layer, indices.to(x.device), positions, end)])
-        out = torch.einsum("shl,hvl->shv", o, w_uv).to(x.dtype)  # [S, H, v_head_dim]
+        out = self.absorb_output(o).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
+
+    def kv_b_heads(self, device) -> torch.Tensor:
+        """kv_b_proj's W as [H, nope + v_head_dim, kv_lora_rank] (per head: W_UK's rows, then W_UV's), dense."""
+        return self.kv_b_proj.dense_weight().to(device).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+
+    def absorb_query(self, q_nope):
+        """q_nope [S, H, nope] through W_UK -> q_lat [S, H, kv_lora_rank] fp32."""
+        return torch.einsum("shd,hdl->shl", q_nope.float(), self.kv_b_heads(q_nope.device)[:, : self.nope].float())
+
+    def absorb_output(self, o):
+        """o [S, H, kv_lora_rank] fp32 through W_UV -> [S, H, v_head_dim] fp32."""
+        return torch.einsum("shl,hvl->shv", o, self.kv_b_heads(o.device)[:, self.nope :].float())

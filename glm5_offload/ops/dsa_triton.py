@@ -9,9 +9,10 @@ by one kernel straight into the cache rows.
 
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
-from ..kernels import INTERPRET, dsa_triton, topk_triton
+from ..kernels import INTERPRET, dsa_triton, mla_absorb, topk_triton
 from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, indexer_scores
 from ..model.pooled_indexer import last_complete_group
+from .linear_triton import QuantLinear
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
 
 DEVICES = ("cuda", "cpu") if INTERPRET else ("cuda",)  # the CPU only in Triton's interpreter (the tests)
@@ -59,6 +60,28 @@ class TritonPooledIndexer(PooledIndexer):
 class TritonAttention(Attention):
     def attend(self, q_lat, q_pe, latent, indices):
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)[0]
+
+    def absorb_query(self, q_nope):
+        stored = self.kv_b_stored(q_nope)
+        if stored is None:
+            return super().absorb_query(q_nope)
+        return mla_absorb.absorb_query(q_nope, *stored, self.nope + self.v_dim)
+
+    def absorb_output(self, o):
+        stored = self.kv_b_stored(o)
+        if stored is None:
+            return super().absorb_output(o)
+        return mla_absorb.absorb_output(o, *stored, self.nope, self.nope + self.v_dim)
+
+    def kv_b_stored(self, x) -> tuple | None:
+        """(weight, scales or None, the dtype it dequantises to) of kv_b_proj as stored, for mla_absorb's kernels:
+        decode rows, an fp8 or dense weight on x's device. None: the reference's matmuls (prefill chunks, int4)."""
+        kv_b = self.kv_b_proj
+        if x.shape[0] > mla_absorb.DECODE_ROWS or kv_b.weight.device != x.device:
+            return None
+        if isinstance(kv_b, QuantLinear):
+            return (kv_b.weight, kv_b.scales, kv_b.compute_dtype) if kv_b.fmt == "fp8" else None
+        return kv_b.weight, None, kv_b.weight.dtype
 
 
 class TritonIndexerOperator(IndexerOperator):
