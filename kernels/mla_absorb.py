@@ -100,8 +100,8 @@ def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
     w, ws, meta = _weight_args(weight, scales, dtype)
-    block_v = max(16, min(64, triton.next_power_of_2(V)))
+    block_v, block_s = max(16, min(64, triton.next_power_of_2(V))), max(16, triton.next_power_of_2(S))
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
-                                                         HEAD_ROWS=head_rows, BLOCK_S=max(16, triton.next_power_of_2(S)),
-                                                         BLOCK_V=block_v, num_warps=4, **meta)
+                                                         HEAD_ROWS=head_rows, BLOCK_S=block_s, BLOCK_V=block_v,
+                                                         num_warps=4, **meta)
     return out
