@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from .fp8_bits import e4m3_to_f16
-
-DECODE_ROWS = 32  # up to this many query rows (decode): the kernels; the reference's matmuls beyond (prefill)
+from .linear_triton import DECODE_ROWS  # up to this many query rows (decode): these kernels, as the projections' GEMV
 
 
 @triton.jit
