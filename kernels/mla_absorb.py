@@ -10,7 +10,8 @@ The reference (model/mla.py, Attention.absorb_query / absorb_output) dequantises
 widens its two slices to fp32 and runs two batched matmuls: for GLM-5 that writes and reads ~60 MB a layer and
 step. These kernels read W's bytes once, dequantise a tile in registers exactly as fp8_dequantize does (rounded to
 the compute dtype), and multiply in fp32: the reference's values, up to the order of the fp32 sums.
-One program: one head and a block of 128 output columns (q_lat) or 64 output rows (out), every query row at once.
+One program: one head and a block of 128 output columns (q_lat) or of output rows (out), every query row at once. Up to
+BROADCAST_ROWS query rows multiply and sum in registers; more take fp32 dots (padded to 16 rows, wasted on one).
 """
 
 import torch
@@ -19,6 +20,8 @@ import triton.language as tl
 
 from .fp8_bits import e4m3_to_f16
 from .linear_triton import DECODE_ROWS  # up to this many query rows (decode): these kernels, as the projections' GEMV
+
+BROADCAST_ROWS = 4
 
 
 @triton.jit
@@ -38,7 +41,8 @@ def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col_block, L, FP8: tl.constexpr, R
 
 @triton.jit
 def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, NOPE: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         DOT: tl.constexpr):
     # q [S, H, NOPE] -> out [S, H, L] fp32; program (h, 128 columns of L)
     h, lb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -49,14 +53,17 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, NOPE: tl.conste
         w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, lb, L, FP8, ROUND_BF16)
         q = tl.load(q_ptr + (s[:, None] * H + h) * NOPE + d[None, :], mask=(s < S)[:, None] & (d < NOPE)[None, :],
                     other=0).to(tl.float32)
-        acc += tl.dot(q, w, input_precision="ieee")
+        if DOT:
+            acc += tl.dot(q, w, input_precision="ieee")
+        else:
+            acc += tl.sum(q[:, :, None] * w[None, :, :], axis=1)
     tl.store(out_ptr + (s[:, None] * H + h) * L + cols[None, :], acc, mask=(s < S)[:, None] & (cols < L)[None, :])
 
 
 @triton.jit
 def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, V: tl.constexpr, NOPE: tl.constexpr,
                           HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr,
-                          ROUND_BF16: tl.constexpr):
+                          ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
     # o [S, H, L] fp32 -> out [S, H, V] fp32; program (h, BLOCK_V rows of W_UV[h])
     h, vb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -67,14 +74,20 @@ def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, V: tl.constexp
         w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, l0 // 128, L, FP8, ROUND_BF16)
         o = tl.load(o_ptr + (s[:, None] * H + h) * L + cols[None, :], mask=(s < S)[:, None] & (cols < L)[None, :],
                     other=0.0)
-        acc += tl.dot(o, tl.trans(w), input_precision="ieee")
+        if DOT:
+            acc += tl.dot(o, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.sum(o[:, None, :] * w[None, :, :], axis=2)
     tl.store(out_ptr + (s[:, None] * H + h) * V + v[None, :], acc, mask=(s < S)[:, None] & (v < V)[None, :])
 
 
-def _weight_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> tuple:
-    fp8 = scales is not None
+def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, S: int) -> tuple:
+    """(weight's bytes, its scales or a placeholder, the kernels' shared constexprs) for S query rows."""
+    fp8, dot = scales is not None, S > BROADCAST_ROWS
     w = weight.view(torch.uint8) if fp8 else weight
-    return w, scales if fp8 else w, {"FP8": fp8, "ROUND_BF16": fp8 and dtype == torch.bfloat16}
+    meta = {"FP8": fp8, "ROUND_BF16": fp8 and dtype == torch.bfloat16, "DOT": dot,
+            "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S)}
+    return w, scales if fp8 else w, meta
 
 
 def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
@@ -84,11 +97,10 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     S, H, nope = q_nope.shape
     L = weight.shape[1]
     out = torch.empty(S, H, L, dtype=torch.float32, device=q_nope.device)
-    w, ws, meta = _weight_args(weight, scales, dtype)
+    w, ws, meta = _launch_args(weight, scales, dtype, S)
+    block_d = max(16, min(64 if meta["DOT"] else 32, triton.next_power_of_2(nope)))
     _absorb_query_kernel[(H, triton.cdiv(L, 128))](q_nope.contiguous(), w, ws, out, S, H, L, NOPE=nope,
-                                                    HEAD_ROWS=head_rows, BLOCK_S=max(16, triton.next_power_of_2(S)),
-                                                    BLOCK_D=max(16, min(64, triton.next_power_of_2(nope))),
-                                                    num_warps=4, **meta)
+                                                    HEAD_ROWS=head_rows, BLOCK_D=block_d, num_warps=4, **meta)
     return out
 
 
@@ -98,9 +110,8 @@ def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     S, H, L = o.shape
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
-    w, ws, meta = _weight_args(weight, scales, dtype)
-    block_v, block_s = max(16, min(64, triton.next_power_of_2(V))), max(16, triton.next_power_of_2(S))
+    w, ws, meta = _launch_args(weight, scales, dtype, S)
+    block_v = max(16, min(64 if meta["DOT"] else 32, triton.next_power_of_2(V)))
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
-                                                         HEAD_ROWS=head_rows, BLOCK_S=block_s, BLOCK_V=block_v,
-                                                         num_warps=4, **meta)
+                                                         HEAD_ROWS=head_rows, BLOCK_V=block_v, num_warps=4, **meta)
     return out

@@ -105,12 +105,14 @@ KERNELS = [
                             "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
                              **K("WORDS BLOCK")}, dict(WORDS=328, BLOCK=512)),
-    (a._absorb_query_kernel, {"q_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
-                              "H": "i32", "L": "i32", **K("NOPE HEAD_ROWS BLOCK_S BLOCK_D FP8 ROUND_BF16")},
-     dict(NOPE=192, HEAD_ROWS=448, BLOCK_S=16, BLOCK_D=64, FP8=True, ROUND_BF16=True)),
-    (a._absorb_output_kernel, {"o_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
-                               "H": "i32", "L": "i32", **K("V NOPE HEAD_ROWS BLOCK_S BLOCK_V FP8 ROUND_BF16")},
-     dict(V=256, NOPE=192, HEAD_ROWS=448, BLOCK_S=16, BLOCK_V=64, FP8=True, ROUND_BF16=True)),
+    *[(a._absorb_query_kernel, {"q_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
+                                "H": "i32", "L": "i32", **K("NOPE HEAD_ROWS BLOCK_S BLOCK_D FP8 ROUND_BF16 DOT")},
+       dict(NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_D=block, FP8=True, ROUND_BF16=True, DOT=dot))
+      for block_s, block, dot in ((16, 64, True), (1, 32, False))],
+    *[(a._absorb_output_kernel, {"o_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
+                                 "H": "i32", "L": "i32", **K("V NOPE HEAD_ROWS BLOCK_S BLOCK_V FP8 ROUND_BF16 DOT")},
+       dict(V=256, NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_V=block, FP8=True, ROUND_BF16=True, DOT=dot))
+      for block_s, block, dot in ((16, 64, True), (1, 32, False))],
     (t._histogram_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", **K("LEVEL BITS BLOCK")},
      dict(LEVEL=0, BITS=8, BLOCK=4096)),
     (t._histogram_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", **K("LEVEL BITS BLOCK")},
@@ -141,4 +143,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "22 kernels" in proc.stdout
+    assert "24 kernels" in proc.stdout

@@ -22,7 +22,7 @@ def reference(q_nope, o, weight, dtype, nope):
 
 # GLM-5's heads (192 + 256 rows of 512) and odd ones: heads that straddle 128-row scale blocks, partial blocks
 @pytest.mark.parametrize("H, nope, v, L", [(2, 192, 256, 512), (3, 40, 72, 200)])
-@pytest.mark.parametrize("S", [1, 5])
+@pytest.mark.parametrize("S", [1, 3, 5])  # registers' sums (up to BROADCAST_ROWS rows), then dots
 @pytest.mark.parametrize("fmt, dtype", [("fp8", torch.bfloat16), ("fp8", torch.float32), ("dense", torch.bfloat16)])
 def test_absorbed_products_equal_the_reference(H, nope, v, L, S, fmt, dtype):
     g = torch.Generator().manual_seed(S + L)

@@ -187,20 +187,22 @@ class Attention(nn.Module):
                 indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
         else:
             indices = shared_indices
-        q_lat = self.absorb_query(q_nope)
+        w = self.kv_b_weight(x)
+        q_lat = self.absorb_query(q_nope, w)
         o = torch.cat([self.attend(q_lat[a:b], q_pe[a:b], latent, rows)
                        for a, b, latent, rows in cache.row_pieces(self.layer, indices.to(x.device), positions, end)])
-        out = self.absorb_output(o).to(x.dtype)
+        out = self.absorb_output(o, w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
 
-    def kv_b_heads(self, device) -> torch.Tensor:
-        """kv_b_proj's W as [H, nope + v_head_dim, kv_lora_rank] (per head: W_UK's rows, then W_UV's), dense."""
-        return self.kv_b_proj.dense_weight().to(device).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
+    def kv_b_weight(self, x):
+        """kv_b_proj's W in the form absorb_query and absorb_output take, once a forward: here dense, as
+        [H, nope + v_head_dim, kv_lora_rank] (per head: W_UK's rows, then W_UV's)."""
+        return self.kv_b_proj.dense_weight().to(x.device).view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank)
 
-    def absorb_query(self, q_nope):
+    def absorb_query(self, q_nope, w):
         """q_nope [S, H, nope] through W_UK -> q_lat [S, H, kv_lora_rank] fp32."""
-        return torch.einsum("shd,hdl->shl", q_nope.float(), self.kv_b_heads(q_nope.device)[:, : self.nope].float())
+        return torch.einsum("shd,hdl->shl", q_nope.float(), w[:, : self.nope].float())
 
-    def absorb_output(self, o):
+    def absorb_output(self, o, w):
         """o [S, H, kv_lora_rank] fp32 through W_UV -> [S, H, v_head_dim] fp32."""
-        return torch.einsum("shl,hvl->shv", o, self.kv_b_heads(o.device)[:, self.nope :].float())
+        return torch.einsum("shl,hvl->shv", o, w[:, self.nope :].float())

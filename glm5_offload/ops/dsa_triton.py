@@ -61,27 +61,25 @@ class TritonAttention(Attention):
     def attend(self, q_lat, q_pe, latent, indices):
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)[0]
 
-    def absorb_query(self, q_nope):
-        stored = self.kv_b_stored(q_nope)
-        if stored is None:
-            return super().absorb_query(q_nope)
-        return mla_absorb.absorb_query(q_nope, *stored, self.nope + self.v_dim)
-
-    def absorb_output(self, o):
-        stored = self.kv_b_stored(o)
-        if stored is None:
-            return super().absorb_output(o)
-        return mla_absorb.absorb_output(o, *stored, self.nope, self.nope + self.v_dim)
-
-    def kv_b_stored(self, x) -> tuple | None:
-        """(weight, scales or None, the dtype it dequantises to) of kv_b_proj as stored, for mla_absorb's kernels:
-        decode rows, an fp8 or dense weight on x's device. None: the reference's matmuls (prefill chunks, int4)."""
+    def kv_b_weight(self, x):
+        """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it
+        dequantises to) as stored, for mla_absorb's kernels. Else (prefill chunks, int4) the reference's dense W."""
         kv_b = self.kv_b_proj
         if x.shape[0] > mla_absorb.DECODE_ROWS or kv_b.weight.device != x.device:
-            return None
+            return super().kv_b_weight(x)
         if isinstance(kv_b, QuantLinear):
-            return (kv_b.weight, kv_b.scales, kv_b.compute_dtype) if kv_b.fmt == "fp8" else None
+            return (kv_b.weight, kv_b.scales, kv_b.compute_dtype) if kv_b.fmt == "fp8" else super().kv_b_weight(x)
         return kv_b.weight, None, kv_b.weight.dtype
+
+    def absorb_query(self, q_nope, w):
+        if not isinstance(w, tuple):
+            return super().absorb_query(q_nope, w)
+        return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim)
+
+    def absorb_output(self, o, w):
+        if not isinstance(w, tuple):
+            return super().absorb_output(o, w)
+        return mla_absorb.absorb_output(o, *w, self.nope, self.nope + self.v_dim)
 
 
 class TritonIndexerOperator(IndexerOperator):
