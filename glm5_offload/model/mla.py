@@ -133,7 +133,8 @@ def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
         rows = dequantize_latent(rows.flatten(0, 1), kv_lora_rank).view(s1 - s0, K, -1) if latent.dtype == torch.uint8 \
             else rows.float()
         c, k_pe = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
-        scores = torch.einsum("shl,skl->shk", q_lat[s0:s1].float(), c) + torch.einsum("shr,skr->shk", q_pe[s0:s1].float(), k_pe)
+        scores = (torch.einsum("shl,skl->shk", q_lat[s0:s1].float(), c)
+                  + torch.einsum("shr,skr->shk", q_pe[s0:s1].float(), k_pe))
         scores = (scores * scale).masked_fill((idx < 0)[:, None, :], float("-inf"))
         out[s0:s1] = torch.einsum("shk,skl->shl", scores.softmax(dim=-1), c)
     return out

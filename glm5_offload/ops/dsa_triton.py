@@ -101,9 +101,11 @@ class TritonIndexerOperator(IndexerOperator):
 
 OPERATORS = (
     AttentionOperator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
-                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES, module_class=TritonAttention),
+                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES,
+                      module_class=TritonAttention),
     TritonIndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores and top-k in Triton kernels",
                           kwargs=("fp8_queries",), delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
     IndexerOperator("pooled_indexer.dsa_triton", PooledIndexer, "GLM-5.3-Flash's group scores in the indexer's "
-                    "Triton kernel, torch.topk", delegates=(Linear,), devices=DEVICES, module_class=TritonPooledIndexer),
+                    "Triton kernel, torch.topk", delegates=(Linear,), devices=DEVICES,
+                    module_class=TritonPooledIndexer),
 )
