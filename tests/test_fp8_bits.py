@@ -58,7 +58,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_rows as g, linear_triton as l
-from glm5_offload.kernels import mla_absorb as a, topk_triton as t
+from glm5_offload.kernels import mla_absorb as a, router_triton as r, topk_triton as t
 
 K = lambda names: {n: "constexpr" for n in names.split()}
 fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16",
@@ -113,6 +113,13 @@ KERNELS = [
                                  "H": "i32", "L": "i32", **K("V NOPE HEAD_ROWS BLOCK_S BLOCK_V FP8 ROUND_BF16 DOT")},
        dict(V=256, NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_V=block, FP8=True, ROUND_BF16=True, DOT=dot))
       for block_s, block, dot in ((16, 64, True), (1, 32, False))],
+    *[(r._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "K": "i32",
+                          "blocks_per_split": "i32", **K("BLOCK_T BLOCK_E BLOCK_K DOT")},
+       dict(BLOCK_T=block_t, BLOCK_E=64, BLOCK_K=128, DOT=dot)) for block_t, dot in ((1, False), (16, True))],
+    (r._select_kernel, {"part_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32",
+                        "splits": "i32", "T": "i32", "E": "i32", "scaling": "fp32",
+                        **K("GROUP N_GROUP TOPK_GROUP TOP_K BLOCK_G BLOCK_J BLOCK_TOPK NORM")},
+     dict(GROUP=32, N_GROUP=8, TOPK_GROUP=4, TOP_K=8, BLOCK_G=8, BLOCK_J=32, BLOCK_TOPK=8, NORM=True)),
     (t._histogram_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", **K("LEVEL BITS BLOCK")},
      dict(LEVEL=0, BITS=8, BLOCK=4096)),
     (t._histogram_kernel, {**rows, "hist_ptr": "*i32", "state_ptr": "*i32", **K("LEVEL BITS BLOCK")},
@@ -143,4 +150,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "24 kernels" in proc.stdout
+    assert "27 kernels" in proc.stdout
