@@ -21,7 +21,7 @@ import triton.language as tl
 from .fp8_bits import e4m3_to_f16
 from .linear_triton import DECODE_ROWS  # up to this many query rows (decode): these kernels, as the projections' GEMV
 
-BROADCAST_ROWS = 4
+BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (32 x 128 products at most)
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     L = weight.shape[1]
     out = torch.empty(S, H, L, dtype=torch.float32, device=q_nope.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_d = max(16, min(64 if meta["DOT"] else 32, triton.next_power_of_2(nope)))
+    block_d = min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(nope)))
     _absorb_query_kernel[(H, triton.cdiv(L, 128))](q_nope.contiguous(), w, ws, out, S, H, L, NOPE=nope,
                                                     HEAD_ROWS=head_rows, BLOCK_D=block_d, num_warps=4, **meta)
     return out
@@ -111,7 +111,7 @@ def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_v = max(16, min(64 if meta["DOT"] else 32, triton.next_power_of_2(V)))
+    block_v = min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(V)))
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
                                                          HEAD_ROWS=head_rows, BLOCK_V=block_v, num_warps=4, **meta)
     return out

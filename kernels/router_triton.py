@@ -23,7 +23,7 @@ from .linear_triton import DECODE_ROWS
 
 BROADCAST_ROWS = 4  # up to this many tokens multiply and sum in registers; more take fp32 dots
 BLOCK_E = 64  # experts per logits program
-BLOCK_K = 128  # inputs per step
+BLOCK_K = 128  # inputs per step (for fp32 dots; a multiple of the tokens' block in registers)
 
 
 @triton.jit
@@ -94,14 +94,15 @@ def logits_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     logits), the weight read as stored."""
     T, K = x.shape
     E = weight.shape[0]
-    steps, blocks = triton.cdiv(K, BLOCK_K), triton.cdiv(E, BLOCK_E)
+    dot = T > BROADCAST_ROWS
+    block_t = max(16, triton.next_power_of_2(T)) if dot else triton.next_power_of_2(T)
+    block_k = BLOCK_K if dot else BLOCK_K // block_t  # the products' tile stays 64 x 128 in registers
+    steps, blocks = triton.cdiv(K, block_k), triton.cdiv(E, BLOCK_E)
     per_split = triton.cdiv(steps, max(1, min(steps, programs_wanted(x.device) // blocks)))
     splits = triton.cdiv(steps, per_split)
     part = torch.empty(splits, T, E, dtype=torch.float32, device=x.device)
-    dot = T > BROADCAST_ROWS
-    block_t = max(16, triton.next_power_of_2(T)) if dot else triton.next_power_of_2(T)
     _logits_kernel[(blocks, splits)](x.contiguous(), weight, part, T, E, K, per_split, BLOCK_T=block_t,
-                                     BLOCK_E=BLOCK_E, BLOCK_K=BLOCK_K, DOT=dot, num_warps=4)
+                                     BLOCK_E=BLOCK_E, BLOCK_K=block_k, DOT=dot, num_warps=4)
     return part
 
 
