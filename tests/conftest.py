@@ -1,6 +1,7 @@
 """Shared fixtures: tiny checkpoints written by transformers itself, and by `glm5 make-tiny`."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -163,6 +164,25 @@ def assert_bf16_of(got: torch.Tensor, want: torch.Tensor):
         assert ((got.float() - want).abs() <= want.abs() * 2**-7).all()
     else:
         assert torch.equal(got, want.bfloat16())
+
+
+def cli_env(env: dict | None = None) -> dict:
+    """The environment of a `glm5` child process: as a machine without a GPU runs it, the GPU operators through
+    their references, not Triton's interpreter (the kernels are tested in this process; the interpreter would make
+    each command 4x slower). env: variables set on top (TRITON_INTERPRET=1 to compare with this process's engine)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TRITON_INTERPRET": "0", **(env or {})}
+
+
+AS_THIS_PROCESS = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}  # a child that computes as this
+# process does: for a comparison with an engine run here
+
+
+def glm5(*args, env=None, check=True, timeout=600):
+    """Run `glm5 args...` in a child process; check: assert it exited 0 (its stderr as the message)."""
+    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
+                          env=cli_env(env), timeout=timeout)
+    assert not check or proc.returncode == 0, proc.stderr
+    return proc
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

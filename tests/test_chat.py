@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+from conftest import cli_env
+
 STATS = re.compile(r"\[prefill (\d+) tok at [\d.]+ tok/s · decode (\d+) tok at [\d.]+ tok/s · context (\d+)/(\d+)\]")
 
 
@@ -19,7 +21,7 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
             os.execvpe(sys.executable, [sys.executable, "-m", "glm5_offload.cli", *map(str, args)],
-                       {**os.environ, **(env or {}), "TERM": "dumb"})
+                       cli_env({**(env or {}), "TERM": "dumb"}))
         self.output = ""
 
     def expect(self, pattern, timeout=120.0):

@@ -1,7 +1,6 @@
 """The glm5 command: make-tiny, generate (text, ids, JSON, the embedded default) and its one-line errors."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,13 +14,7 @@ from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
-
-def glm5(*args, env=None, check=True):
-    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+from conftest import AS_THIS_PROCESS, cli_env, glm5
 
 
 def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
@@ -64,7 +57,7 @@ def test_tiny_tokenizer_and_chat_template(tiny_dir):
 def test_generate_json_greedy_matches_the_engine(tiny_dir):
     path = tiny_dir()
     proc = glm5("generate", "--model", path, "--prompt", "Hello! How are you", "--max-new-tokens", 12,
-                "--temperature", 0, "--json")
+                "--temperature", 0, "--json", env=AS_THIS_PROCESS)
     out = json.loads(proc.stdout)
     assert set(out) >= {"prompt_ids", "output_ids", "text", "prefill_tokens_per_s", "decode_tokens_per_s"}
     assert out["random_weights"] is False and out["prefill_tokens_per_s"] > 0
@@ -81,7 +74,7 @@ def test_flash_generate_takes_its_family_default_rules(tmp_path):
     assert "model.language_model.layers.3.self_attn.indexer.index_kpool_compress_gate" in json.loads(
         (path / "model.safetensors.index.json").read_text())["weight_map"]
     proc = glm5("generate", "--model", path, "--prompt", "Hello! How are you", "--max-new-tokens", 8, "--temperature",
-                0, "--json")
+                0, "--json", env=AS_THIS_PROCESS)
     assert "the default placement glm5-flash for glm5_next" in proc.stderr
     out = json.loads(proc.stdout)
     engine = Engine(load_model(path, rules=load_rules("glm5-flash"), device="cpu"))
@@ -198,7 +191,7 @@ def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
 
 def test_non_utf8_prompt_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "generate", "--prompt", b"caf\xe9 \xff"],
-                          capture_output=True, text=True, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, timeout=300)
+                          capture_output=True, text=True, env=cli_env({"XDG_CACHE_HOME": str(tmp_path)}), timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == "glm5: error: --prompt is not valid UTF-8"
 
 
@@ -251,7 +244,7 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path):
     import signal
     import time
 
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    env = cli_env({"XDG_CACHE_HOME": str(tmp_path)})
     glm5("make-tiny", tmp_path / "glm5-offload" / "tiny-glm5", env={"XDG_CACHE_HOME": str(tmp_path)})
     proc = subprocess.Popen([sys.executable, "-m", "glm5_offload.cli", "generate", "--prompt-ids", "5,6",
                              "--max-new-tokens", "4000", "--ignore-eos"], stdout=subprocess.PIPE,

@@ -2,9 +2,6 @@
 
 import functools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +14,8 @@ from glm5_offload.ops.expert_ring import DEPTH
 from glm5_offload.planner import PlanError, make_plan
 from glm5_offload.rules import load_rules, place, resolve_rules_path
 from glm5_offload.util import parse_size
+
+from conftest import glm5
 
 GiB = 2**30
 
@@ -123,23 +122,17 @@ def test_parse_size_rejects():
         parse_size("12 parsecs", "--host-mem")
 
 
-def glm5(*args):
-    return subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
-                          env=os.environ, timeout=300)
-
-
 def test_plan_command():
     proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
                 "--gpu-mem", "160GiB",
-                "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json")
+                "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json", check=False)
     assert proc.returncode == 0, proc.stderr
     table, figures = proc.stdout.rsplit("\n", 2)[0], json.loads(proc.stdout.strip().splitlines()[-1])
     assert "latent KV fp8 (656 B/token/layer)" in table and "fits; largest context" in table
     # every layer's FP8 rows, and one buffer of them converted to bf16 for a prefill chunk's sparse MLA
     assert figures["fits"] and figures["devices"]["cuda"]["latent_kv"] == (78 * 656 + 576 * 2) * 1_000_000
     over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
-                "--gpu-mem", "24GiB",
-                "--host-mem", "512GiB")
+                "--gpu-mem", "24GiB", "--host-mem", "512GiB", check=False)
     assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
 
 
@@ -151,7 +144,7 @@ def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
         load_model(tiny_dir(), max_seq_len=4096, budgets={"cpu": 2**20})
     assert "cpu needs" in str(e.value) and "of 0.0 GiB" in str(e.value)
     assert "does NOT fit" in e.value.plan.table()
-    proc = glm5("generate", "--model", tiny_dir(), "--prompt-ids", "1,2", "--host-mem", "1MiB")
+    proc = glm5("generate", "--model", tiny_dir(), "--prompt-ids", "1,2", "--host-mem", "1MiB", check=False)
     assert proc.returncode == 2 and "does NOT fit" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("glm5: error: the model does not fit")
 
@@ -165,7 +158,7 @@ def test_engine_runs_when_it_fits(tiny_dir):
 def test_the_default_placement_fits_a_24gib_gpu(preset, tokens):
     """No --rules: rules/glm5.yaml, said on stderr; GLM-5.2 at 1M tokens and GLM-5-FP8 at its 202752 fit 24 GiB."""
     proc = glm5("plan", "--model", preset, "--max-seq-len", tokens, "--gpu-mem", "24GiB", "--host-mem", "512GiB",
-                "--json")
+                "--json", check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no --rules given: the default placement glm5" in proc.stderr
     figures = json.loads(proc.stdout.strip().splitlines()[-1])

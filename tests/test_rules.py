@@ -1,10 +1,7 @@
 """Rule files: the shipped placements, matching semantics, `glm5 rules show`, and every bad input."""
 
 import functools
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,8 @@ from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.model import Experts, build_model
 from glm5_offload.rules import check_devices_present, load_rules, place, shipped_rule_names
+
+from conftest import glm5
 
 SHIPPED = ["glm5.yaml", "glm5-reference.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]  # GLM-5, GLM-5.2, DeepSeek-V3.2
 FLASH = "glm5-flash.yaml"  # GLM-5.3-Flash
@@ -222,14 +221,6 @@ def test_rules_operators_lists_what_a_rule_can_name():
     assert [line.split()[0] for line in lines] == list(REGISTRY)
     numba = next(line for line in lines if line.startswith("experts.numba "))
     assert "replaces Experts" in numba and " on cpu " in numba and "kwargs: format, group_size, threads" in numba
-
-
-def glm5(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True,
-                          text=True, env=os.environ, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
 
 
 BAD = {

@@ -6,8 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import urllib.request
 
 import pytest
@@ -19,6 +17,8 @@ from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.saved_context import load_context, save_context
+
+from conftest import glm5
 
 PROMPT = list(range(12, 112))
 MORE = PROMPT + list(range(200, 230))
@@ -52,14 +52,6 @@ def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, 
     again = engine(path, rules)  # a prompt that leaves the saved tokens early reuses what it shares
     load_context(again, tmp_path / "ctx.safetensors")
     assert again.generate(MORE, 4).reused_tokens == len(PROMPT)
-
-
-def glm5(*args, check=True):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert not check or proc.returncode == 0, proc.stderr
-    return proc
 
 
 def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):
