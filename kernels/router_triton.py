@@ -63,6 +63,7 @@ def _select_kernel(part_ptr, bias_ptr, ids_ptr, weights_ptr, splits, T, E, scali
         logits += tl.load(part_ptr + (i * T + t) * E + expert, mask=ok, other=0.0)
     scores = tl.sigmoid(logits)
     choice = tl.where(ok, scores + tl.load(bias_ptr + expert, mask=ok, other=0.0), float("-inf"))
+    choice = tl.where(choice != choice, float("inf"), choice)  # NaN ranks first, as in torch.topk: ids stay experts
     if N_GROUP > 1:
         best = tl.max(choice, axis=1)
         first = tl.min(tl.where(choice == best[:, None], j[None, :], BLOCK_J), axis=1)

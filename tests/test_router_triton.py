@@ -62,6 +62,19 @@ def test_group_limit_excludes_the_best_expert_of_a_dropped_group():
     assert torch.equal(ids, want) and sorted(chosen[:2]) == [16, 17] and all(16 <= i < 32 for i in chosen)
 
 
+def test_nan_hidden_states_still_choose_real_experts():
+    """A row gone NaN (an overflowed model) routes to top_k distinct real experts with NaN weights, as the reference
+    does; never to an id past the experts."""
+    router, g = make_router(256, 512, 8, 8, 4, True, torch.bfloat16, seed=2)
+    x = torch.randn(2, 512, generator=g).to(DEVICE, torch.bfloat16)
+    x[0] = float("nan")
+    x[1, 7] = float("nan")
+    ids, weights = router_triton.route(x, router.weight, router.e_score_correction_bias, 8, 8, 4, True, 2.5)
+    _, want_weights = Router.forward(router, x)
+    assert ((ids >= 0) & (ids < 256)).all() and all(len(set(row)) == 8 for row in ids.tolist())
+    assert weights.isnan().all() and want_weights.isnan().all()
+
+
 def rules(tmp_path, device):
     path = tmp_path / "router.yaml"
     path.write_text(f"""
