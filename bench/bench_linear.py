@@ -43,6 +43,10 @@ def copies(n: int, k: int) -> list:
     return [weights(n, k) for _ in range(count)]
 
 
+def weight_bytes(fmt: str, n: int, k: int) -> int:
+    return {"bf16": n * k * 2, "fp8": fp8_blocks.nbytes((n, k)), "int4": int_groups.nbytes(n * k, "int4", 128)}[fmt]
+
+
 def decode_calls(fmt: str, x, sets):
     if fmt == "bf16":
         return [lambda w16=w16: F.linear(x, w16) for w16, _, _ in sets]
@@ -57,8 +61,8 @@ def decode(hbm: float, rows: int) -> list[dict]:
         sets = copies(n, k)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         figures = {"shape": name, "rows": rows, "copies": len(sets)}
-        for fmt, nbytes in [("bf16", n * k * 2), ("fp8", fp8_blocks.nbytes((n, k))),
-                            ("int4", int_groups.nbytes(n * k, "int4", 128))]:
+        for fmt in ("bf16", "fp8", "int4"):
+            nbytes = weight_bytes(fmt, n, k)
             calls = decode_calls(fmt, x, sets)
             ms, alone = ceilings.stream_ms(calls), ceilings.graph_ms(calls[0])
             figures[fmt] = {"us": ms * 1e3, "gb_s": nbytes / ms / 1e6, "of_hbm": nbytes / ms / 1e6 / hbm,
@@ -96,33 +100,29 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
 
 
 def sweep(hbm: float) -> list[dict]:
-    """Decode tiles of the fp8 and int4 GEMV at batch 1 on o_proj and q_b_proj (per call in a stream), and the
-    FP8-dot prefill tile."""
+    """Decode tiles of the fp8 GEMV and of the int4 one-row GEMV at batch 1 on o_proj and q_b_proj (per call in a
+    stream), and the FP8-dot prefill tile."""
     out = []
-    shipped = dict(linear_triton.DECODE_TILE), dict(linear_triton.INT4_DECODE_TILE)
+    shipped = dict(linear_triton.DECODE_TILE), dict(linear_triton.INT4_GEMV_TILE)
     made = {name: (n, k, copies(n, k)) for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
-    for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            for stages in (2,):
-                for step in (2, 4, 8):
-                    linear_triton.DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages, step=step,
-                                                     vector=True)
-                    linear_triton.INT4_DECODE_TILE.update(block_n=block_n, num_warps=warps, num_stages=stages,
-                                                          step=step)
-                    row = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "step": step}
-                    for name, (n, k, sets) in made.items():
-                        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-                        for fmt, nbytes in (("fp8", fp8_blocks.nbytes((n, k))),
-                                            ("int4", int_groups.nbytes(n * k, "int4", 128))):
-                            try:
-                                ms = ceilings.stream_ms(decode_calls(fmt, x, sets), iters=5)
-                                row[f"{name} {fmt}"] = nbytes / ms / 1e6 / hbm
-                            except triton.runtime.errors.OutOfResources:
-                                row[f"{name} {fmt}"] = float("nan")
-                    print("sweep", row, flush=True)
-                    out.append(row)
+    grids = {"fp8": (linear_triton.DECODE_TILE, [(b, w, s) for b in (32, 64, 128) for w in (4, 8) for s in (2, 4, 8)]),
+             "int4": (linear_triton.INT4_GEMV_TILE,
+                      [(b, w, s) for b in (64, 128, 256) for w in (4, 8) for s in (1, 2)])}
+    for fmt, (tile, grid) in grids.items():
+        for block_n, warps, step in grid:
+            tile.update(block_n=block_n, num_warps=warps, num_stages=2, step=step)
+            row = {"format": fmt, "block_n": block_n, "num_warps": warps, "num_stages": 2, "step": step}
+            for name, (n, k, sets) in made.items():
+                x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+                try:
+                    ms = ceilings.stream_ms(decode_calls(fmt, x, sets), iters=5)
+                    row[name] = weight_bytes(fmt, n, k) / ms / 1e6 / hbm
+                except triton.runtime.errors.OutOfResources:
+                    row[name] = float("nan")
+            print("sweep", row, flush=True)
+            out.append(row)
     linear_triton.DECODE_TILE.update(shipped[0])
-    linear_triton.INT4_DECODE_TILE.update(shipped[1])
+    linear_triton.INT4_GEMV_TILE.update(shipped[1])
     del made
     shipped = dict(linear_triton.PREFILL_TILE)
     _, (w8, s8), _ = weights(6144, 16384)
@@ -145,11 +145,10 @@ def sweep(hbm: float) -> list[dict]:
 def best_tiles(rows: list[dict]) -> tuple[dict, dict]:
     """The decode tiles with the best o_proj + q_b_proj figure, fp8 and int4."""
     def best(fmt):
-        ok = [r for r in rows if "block_n" in r and r[f"o_proj {fmt}"] == r[f"o_proj {fmt}"]]
-        return max(ok, key=lambda r: r[f"o_proj {fmt}"] + r[f"q_b_proj {fmt}"])
-    fp8, int4 = best("fp8"), best("int4")
-    return ({k: fp8[k] for k in ("block_n", "num_warps", "num_stages", "step")},
-            {k: int4[k] for k in ("block_n", "num_warps", "num_stages", "step")})
+        ok = [r for r in rows if r.get("format") == fmt and r["o_proj"] == r["o_proj"]]
+        top = max(ok, key=lambda r: r["o_proj"] + r["q_b_proj"])
+        return {k: top[k] for k in ("block_n", "num_warps", "num_stages", "step")}
+    return best("fp8"), best("int4")
 
 
 def run(do_sweep: bool = False) -> dict:
@@ -159,10 +158,10 @@ def run(do_sweep: bool = False) -> dict:
         result["sweep"] = sweep(hbm)
         fp8, int4 = best_tiles(result["sweep"])
         linear_triton.DECODE_TILE.update(fp8)
-        linear_triton.INT4_DECODE_TILE.update(int4)
-        print("decode tiles for the tables:", linear_triton.DECODE_TILE, linear_triton.INT4_DECODE_TILE, flush=True)
+        linear_triton.INT4_GEMV_TILE.update(int4)
+        print("decode tiles for the tables:", linear_triton.DECODE_TILE, linear_triton.INT4_GEMV_TILE, flush=True)
     result["decode_tile"] = dict(linear_triton.DECODE_TILE)
-    result["int4_decode_tile"] = dict(linear_triton.INT4_DECODE_TILE)
+    result["int4_gemv_tile"] = dict(linear_triton.INT4_GEMV_TILE)
     result["decode"] = decode(hbm, 1) + decode(hbm, 8)
     result["prefill"] = prefill(4096, bf16)
     return result

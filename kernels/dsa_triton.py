@@ -78,7 +78,7 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale,
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     pos = tl.load(pos_ptr + s, mask=s < S, other=0)
-    for b in tl.static_range(KEY_BLOCKS):
+    for b in range(KEY_BLOCKS):
         cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
         k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0.0)
         if FP8:
@@ -126,7 +126,7 @@ def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, sca
     s = pid_s * BLOCK_S + column
     s_ok = (column < BLOCK_S) & (s < S)
     pos = tl.load(pos_ptr + s, mask=s_ok, other=0)
-    for b in tl.static_range(KEY_BLOCKS):
+    for b in range(KEY_BLOCKS):
         cols = (pid_t * KEY_BLOCKS + b) * BLOCK_T + tl.arange(0, BLOCK_T)
         k = tl.load(k_ptr + cols[:, None] * D + d[None, :], mask=(cols < T)[:, None], other=0)
         if FP8_HW:

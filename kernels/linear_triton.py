@@ -5,15 +5,17 @@
 - int4: W [N, K/2] uint8 with one fp32 scale per `group` inputs of a row (formats.int_groups: the nibble layout of
   the CPU experts; w4a16).
 
-One kernel per format serves decode and prefill: a program computes a BLOCK_M x BLOCK_N tile of y over its share of
-the inputs. For decode (M <= 32) the inputs are split over programs so every SM streams weights (bandwidth-bound: the
-packed weights are read once); each program writes its partial tile, and the last of a tile's programs to arrive (an
-atomic counter per tile) adds the partials in a fixed order and writes y: one launch, and a CUDA graph's replay
-equals eager. For one row (M = 1) products are summed without a dot, into a 2-D accumulator reduced once at the end.
-Prefill takes big tiles. Weights are loaded as bytes and widened by bit arithmetic to bf16 (e4m3 and int4 values
-are exact in bf16), so the kernels run on any GPU Triton supports (sm80, sm86 included). Where the GPU has FP8
-tensor cores (sm89, sm90, sm120) a prefill's activations are quantised to e4m3 per 128 inputs of a row
-(fp8_blocks.quantize_activations, as DeepSeek's inference does) and the fp8 kernel takes FP8 dots.
+One kernel per format serves decode and prefill (int4 has a second for one row): a program computes a BLOCK_M x
+BLOCK_N tile of y over its share of the inputs. For decode (M <= 32) the inputs are split over programs so every SM
+streams weights (bandwidth-bound: the packed weights are read once); each program writes its partial tile, and the
+last of a tile's programs to arrive (an atomic counter per tile) adds the partials in a fixed order and writes y: one
+launch, and a CUDA graph's replay equals eager. For one row (M = 1) products are summed without a dot, into a 2-D
+accumulator reduced once at the end; int4's one-row kernel (_int4_gemv_kernel) reads the weights as 32-bit words and
+spends about 3.5 instructions a weight on them (the dot kernel's M = 1 form spent 6.6: ALU-bound below half the HBM
+bandwidth on an H200). Prefill takes big tiles. Weights are loaded as bytes and widened by bit arithmetic to bf16
+(e4m3 and int4 values are exact in bf16), so the kernels run on any GPU Triton supports (sm80, sm86 included). Where
+the GPU has FP8 tensor cores (sm89, sm90, sm120) a prefill's activations are quantised to e4m3 per 128 inputs of a
+row (fp8_blocks.quantize_activations, as DeepSeek's inference does) and the fp8 kernel takes FP8 dots.
 
 References: `linear_reference` (the weights and activations dequantised, x W^T in fp32); the tests hold each path to
 it on the CPU (Triton's interpreter) and on the GPU.
@@ -34,7 +36,9 @@ DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
 DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
-INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, the int4 GEMV
+INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, int4 for 2-32 rows
+INT4_GEMV_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "step": 1}  # int4, one row
+MAGIC_BITS = (0x41800000, 0x3F800000)  # 16.0 and 1.0 as fp32 bits (_int4_gemv_kernel's magic_16, magic_1)
 MAX_TILES = 4096  # decode tiles that can be split (more tiles than programs wanted are never split)
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 
@@ -105,11 +109,9 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N
 
 @triton.jit
 def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, groups_per_split, G: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr, STEP: tl.constexpr,
-                 VECTOR: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr, STEP: tl.constexpr):
     # x [M, K], w [N, K/2] bytes (in group g of a row, byte j holds input gG + j in its low nibble and gG + G/2 + j in
-    # its high one), ws [N, K/G] fp32; out, part, count as _fp8_kernel's. STEP groups per iteration; VECTOR (M = 1):
-    # nibbles widened by the float trick (bits 0x4B000000 | v are the fp32 2^23 + v) and summed without a dot.
+    # its high one), ws [N, K/G] fp32; out, part, count as _fp8_kernel's. STEP groups per iteration.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +123,6 @@ def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, gr
     x_rows = x_ptr + m.to(tl.int64)[:, None] * K
     w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_vector = tl.zeros((BLOCK_N, G // 2), tl.float32)
     steps = tl.arange(0, STEP)
     for g_first in range(g0, g1, STEP):
         # the STEP groups' scales of each row in one load (a row's are adjacent; loaded one by one, each would take
@@ -133,26 +134,81 @@ def _int4_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, gr
             g_ok = g < g1
             p = tl.load(w_rows + g * (G // 2) + j[None, :], mask=n_ok[:, None] & g_ok, other=0).to(tl.int32)
             w_scale = tl.sum(tl.where(steps[None, :] == i, scales, 0.0), axis=1)
-            if VECTOR:
-                low = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                high = ((p >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                x_low = tl.load(x_ptr + g * G + j, mask=g_ok, other=0).to(tl.float32)
-                x_high = tl.load(x_ptr + g * G + G // 2 + j, mask=g_ok, other=0).to(tl.float32)
-                acc_vector += (low * x_low[None, :] + high * x_high[None, :]) * w_scale[:, None]
+            low, high = (p & 15) - 8, (p >> 4) - 8
+            x_low = tl.load(x_rows + g * G + j[None, :], mask=m_ok[:, None] & g_ok, other=0)
+            x_high = tl.load(x_rows + g * G + G // 2 + j[None, :], mask=m_ok[:, None] & g_ok, other=0)
+            if CAST:
+                d = tl.dot(x_low.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
+                d += tl.dot(x_high.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
             else:
-                low, high = (p & 15) - 8, (p >> 4) - 8
-                x_low = tl.load(x_rows + g * G + j[None, :], mask=m_ok[:, None] & g_ok, other=0)
-                x_high = tl.load(x_rows + g * G + G // 2 + j[None, :], mask=m_ok[:, None] & g_ok, other=0)
-                if CAST:
-                    d = tl.dot(x_low.to(tl.float32), tl.trans(low.to(tl.float32)), input_precision="ieee")
-                    d += tl.dot(x_high.to(tl.float32), tl.trans(high.to(tl.float32)), input_precision="ieee")
-                else:
-                    d = tl.dot(x_low, tl.trans(low.to(tl.bfloat16)))
-                    d += tl.dot(x_high, tl.trans(high.to(tl.bfloat16)))
-                acc += d * w_scale[None, :]
-    if VECTOR:
-        acc = acc + tl.sum(acc_vector, axis=1)[None, :]
+                d = tl.dot(x_low, tl.trans(low.to(tl.bfloat16)))
+                d += tl.dot(x_high, tl.trans(high.to(tl.bfloat16)))
+            acc += d * w_scale[None, :]
     _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N)
+
+
+@triton.jit
+def _nibbles(t, word, magic_16, magic_1, x_16, x_1, EXACT: tl.constexpr):
+    # t plus the products of the nibbles at bits 12-15 and 16-19 of `word` with their inputs x_16, x_1 [W]: OR'd into
+    # the mantissas of 16.0 and 1.0 (magic_16/magic_1: their bits, as runtime values so that AND and OR fuse into one
+    # LOP3; two immediates cannot) they read 16 + v/128 and 1 + v/128, exactly. EXACT subtracts the offsets (also
+    # exact, leaving (v - 8)/128); else the caller starts its sum from the offsets' products.
+    a_16 = ((word & 0xF000) | magic_16).to(tl.float32, bitcast=True)
+    a_1 = ((word & 0xF0000) | magic_1).to(tl.float32, bitcast=True)
+    if EXACT:
+        a_16 -= 16.0625
+        a_1 -= 1.0625
+    return t + a_16 * x_16[None, :] + a_1 * x_1[None, :]
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, groups_per_split, magic_16,
+                      magic_1, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr,
+                      STEP: tl.constexpr, EXACT: tl.constexpr):
+    # One row of x [1, K] times int4 W: w as int32 words [N, K/8] (word j of a group = bytes 4j..4j+3 of
+    # _int4_kernel's layout: inputs 4j + c in the low nibbles, G/2 + 4j + c in the high ones), ws [N, K/G] fp32; out,
+    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions: a word's 8 nibbles
+    # come to bits 12-19 by 3 shifts (none, << 8, >> 8, a rotation by 16) and each becomes a float in one LOP3
+    # (_nibbles), then one FMA. A word's sum t starts at minus the offsets' products (row-independent, once per
+    # group), so t = sum (v - 8)/128 x; its rounding is relative to the offsets' terms (16 per hi nibble), about
+    # 2^-13 of the result: far below bf16's rounding of the output, too coarse for fp32 x, which takes EXACT.
+    W: tl.constexpr = G // 8
+    pid_n, split = tl.program_id(1), tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    j = tl.arange(0, W)
+    n_groups = K // G
+    g0 = split * groups_per_split
+    g1 = tl.minimum(g0 + groups_per_split, n_groups)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 8)
+    acc = tl.zeros((BLOCK_N, W), tl.float32)
+    for g_first in range(g0, g1, STEP):
+        for i in tl.static_range(STEP):
+            g = g_first + i
+            g_ok = g < g1
+            w = tl.load(w_rows + g * W + j[None, :], mask=n_ok[:, None] & g_ok, other=0).to(tl.uint32, bitcast=True)
+            # one scale a row, as a [BLOCK_N] vector (loaded as [BLOCK_N, W] broadcast along the words, it set the
+            # layout of the words' load too: a row a thread, uncoalesced, 18% of the H200's bandwidth instead of 53%)
+            scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
+            x = x_ptr + g * G + 4 * j
+            lo0 = tl.load(x, mask=g_ok, other=0).to(tl.float32)
+            lo1 = tl.load(x + 1, mask=g_ok, other=0).to(tl.float32)
+            lo2 = tl.load(x + 2, mask=g_ok, other=0).to(tl.float32)
+            lo3 = tl.load(x + 3, mask=g_ok, other=0).to(tl.float32)
+            hi0 = tl.load(x + G // 2, mask=g_ok, other=0).to(tl.float32)
+            hi1 = tl.load(x + G // 2 + 1, mask=g_ok, other=0).to(tl.float32)
+            hi2 = tl.load(x + G // 2 + 2, mask=g_ok, other=0).to(tl.float32)
+            hi3 = tl.load(x + G // 2 + 3, mask=g_ok, other=0).to(tl.float32)
+            t = tl.zeros((BLOCK_N, W), tl.float32)
+            if not EXACT:
+                t -= (16.0625 * (hi0 + hi1 + hi2 + hi3) + 1.0625 * (lo0 + lo1 + lo2 + lo3))[None, :]
+            t = _nibbles(t, w, magic_16, magic_1, hi1, lo2, EXACT)  # nibbles 3, 4
+            t = _nibbles(t, w << 8, magic_16, magic_1, hi0, lo1, EXACT)  # 1, 2
+            t = _nibbles(t, w >> 8, magic_16, magic_1, hi2, lo3, EXACT)  # 5, 6
+            t = _nibbles(t, (w << 16) | (w >> 16), magic_16, magic_1, hi3, lo0, EXACT)  # 7, 0
+            acc += t * scale[:, None]
+    y = tl.sum(acc, axis=1) * 128.0
+    _write_tile(y[None, :], out_ptr, part_ptr, count_ptr, tl.arange(0, BLOCK_M), n, M, N)
 
 
 @triton.jit
@@ -211,13 +267,14 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
-def _launch(kernel, x, steps: int, N: int, args: tuple, tile: dict | None = None, **meta) -> torch.Tensor:
+def _launch(kernel, x, steps: int, N: int, args: tuple, tile: dict | None = None, vector: bool = False,
+            **meta) -> torch.Tensor:
     """Run `kernel` over the tiles of y [M, N] (`steps` k steps in all), split over the inputs for decode; y in x's
-    dtype. tile: the decode tile (default DECODE_TILE)."""
+    dtype. tile: the decode tile (default DECODE_TILE); vector: one row a program (M = 1)."""
     M = x.shape[0]
     decode = M <= DECODE_ROWS
     tile = (tile or DECODE_TILE) if decode else PREFILL_TILE
-    block_m = 1 if meta.get("VECTOR") else max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
+    block_m = 1 if vector else max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
     block_n = tile["block_n"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per_split = triton.cdiv(steps, max(1, min(steps, programs_wanted(x.device) // tiles))) if decode else steps
@@ -246,10 +303,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
         x_in = x_in.view(torch.uint8)
     else:
         x_in, x_scales = x.contiguous(), scales  # any fp32 tensor stands in for the unused scales
+    vector = M == 1 and DECODE_TILE["vector"] and not fp8_dot
     return _launch(_fp8_kernel, x, triton.cdiv(K, BLOCK), N, (x_in, x_scales, weight.view(torch.uint8), scales),
-                   ACT_FP8=fp8_dot, FP8_HW=has_fp8_dot(x.device),
-                   STEP=DECODE_TILE["step"] if M <= DECODE_ROWS else 1,
-                   VECTOR=M == 1 and DECODE_TILE["vector"] and not fp8_dot)
+                   vector=vector, ACT_FP8=fp8_dot, FP8_HW=has_fp8_dot(x.device),
+                   STEP=DECODE_TILE["step"] if M <= DECODE_ROWS else 1, VECTOR=vector)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
@@ -258,9 +315,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     M, K = x.shape
     if K % group:
         raise ValueError(f"group size {group} does not divide the {K} inputs")
+    if M == 1:
+        return _launch(_int4_gemv_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed.view(torch.int32),
+                       scales), INT4_GEMV_TILE, vector=True, magic_16=MAGIC_BITS[0], magic_1=MAGIC_BITS[1], G=group,
+                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32)
     decode = M <= DECODE_ROWS
     return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), INT4_DECODE_TILE,
-                   G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1, VECTOR=M == 1)
+                   G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

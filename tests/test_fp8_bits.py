@@ -68,20 +68,21 @@ fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*f
               **K("BLOCK_M BLOCK_N ACT_FP8 FP8_HW CAST STEP VECTOR")}
 int4_linear = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
                "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "groups_per_split": "i32",
-               **K("G BLOCK_M BLOCK_N CAST STEP VECTOR")}
+               **K("G BLOCK_M BLOCK_N CAST STEP")}
+int4_gemv = {**{k: v for k, v in int4_linear.items() if v != "constexpr"}, "w_ptr": "*i32", "magic_16": "i32",
+             "magic_1": "i32", **K("G BLOCK_M BLOCK_N CAST STEP EXACT")}
 indexer = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*fp32",
            "S": "i32", "T": "i32", "scale": "fp32"}
 indexer_fp8 = {**indexer, "q_ptr": "*u8", **K("H D BLOCK_S S_PAD BLOCK_T KEY_BLOCKS FP8_HW CAST")}
-# KEY_BLOCKS=1: the same loop body as the shipped 4 or 16, unrolled once (unrolled 16 times it compiles for 3 minutes)
-indexer_fp8_tile = lambda hw: dict(H=32, D=128, BLOCK_S=8, S_PAD=16, BLOCK_T=64, KEY_BLOCKS=1, FP8_HW=hw, CAST=False)
+indexer_fp8_tile = lambda hw: dict(H=32, D=128, BLOCK_S=8, S_PAD=16, BLOCK_T=64, KEY_BLOCKS=16, FP8_HW=hw, CAST=False)
 rows = {"scores_ptr": "*fp32", "T": "i32", "k": "i32", "per_program": "i32"}
 fp8_tile = lambda **k: {**dict(BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=False), **k}
 KERNELS = [
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, STEP=2)),
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, VECTOR=True)),
     (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True)),
-    (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False, STEP=2, VECTOR=False)),
-    (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=1, BLOCK_N=64, CAST=False, STEP=2, VECTOR=True)),
+    (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False, STEP=2)),
+    (l._int4_gemv_kernel, int4_gemv, dict(G=128, BLOCK_M=1, BLOCK_N=128, CAST=False, STEP=1, EXACT=False)),
     (l._quantize_activations_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32",
                                       "K": "i32", **K("BLOCK_M FP8_MAX")}, dict(BLOCK_M=16, FP8_MAX=448.0)),
     (l._fp8_dequantize_kernel, {"w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
@@ -90,7 +91,7 @@ KERNELS = [
                             "scale_ptr": "*fp32", "rows_ptr": "*i64", **K("D RD HALF REST INTERLEAVED FP8_MAX")},
      dict(D=128, RD=64, HALF=32, REST=64, INTERLEAVED=False, FP8_MAX=448.0)),
     (d._indexer_kernel, {**indexer, **K("H D BLOCK_S BLOCK_T KEY_BLOCKS CAST FP8")},
-     dict(H=32, D=128, BLOCK_S=8, BLOCK_T=128, KEY_BLOCKS=1, CAST=False, FP8=True)),
+     dict(H=32, D=128, BLOCK_S=8, BLOCK_T=128, KEY_BLOCKS=4, CAST=False, FP8=True)),
     (d._indexer_fp8_kernel, indexer_fp8, indexer_fp8_tile(False)),
     (d._sparse_mla_kernel, {"qc_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*u8", "idx_ptr": "*i64",
                             "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32", "K": "i32", "H": "i32",
