@@ -99,19 +99,22 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
     return out
 
 
-def sweep(hbm: float) -> list[dict]:
+def sweep(hbm: float, formats=("fp8", "int4"), prefill_tile: bool = True) -> list[dict]:
     """Decode tiles of the fp8 GEMV and of the int4 one-row GEMV at batch 1 on o_proj and q_b_proj (per call in a
-    stream), and the FP8-dot prefill tile."""
+    stream; oversplit: programs per SM over programs_wanted's), and the FP8-dot prefill tile."""
     out = []
     shipped = dict(linear_triton.DECODE_TILE), dict(linear_triton.INT4_GEMV_TILE)
     made = {name: (n, k, copies(n, k)) for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
-    grids = {"fp8": (linear_triton.DECODE_TILE, [(b, w, s) for b in (32, 64, 128) for w in (4, 8) for s in (2, 4, 8)]),
+    grids = {"fp8": (linear_triton.DECODE_TILE,
+                     [(b, w, s, 1) for b in (32, 64, 128) for w in (4, 8) for s in (2, 4, 8)]),
              "int4": (linear_triton.INT4_GEMV_TILE,
-                      [(b, w, s) for b in (64, 128, 256) for w in (4, 8) for s in (1, 2)])}
-    for fmt, (tile, grid) in grids.items():
-        for block_n, warps, step in grid:
-            tile.update(block_n=block_n, num_warps=warps, num_stages=2, step=step)
-            row = {"format": fmt, "block_n": block_n, "num_warps": warps, "num_stages": 2, "step": step}
+                      [(b, w, s, o) for b in (64, 128) for w in (4, 8) for s in (1, 2) for o in (1, 2)])}
+    for fmt in formats:
+        tile, grid = grids[fmt]
+        for block_n, warps, step, oversplit in grid:
+            tile.update(block_n=block_n, num_warps=warps, num_stages=2, step=step, oversplit=oversplit)
+            row = {"format": fmt, "block_n": block_n, "num_warps": warps, "num_stages": 2, "step": step,
+                   "oversplit": oversplit}
             for name, (n, k, sets) in made.items():
                 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                 try:
@@ -124,6 +127,8 @@ def sweep(hbm: float) -> list[dict]:
     linear_triton.DECODE_TILE.update(shipped[0])
     linear_triton.INT4_GEMV_TILE.update(shipped[1])
     del made
+    if not prefill_tile:
+        return out
     shipped = dict(linear_triton.PREFILL_TILE)
     _, (w8, s8), _ = weights(6144, 16384)
     x = torch.randn(4096, 16384, device="cuda", dtype=torch.bfloat16)
@@ -142,13 +147,14 @@ def sweep(hbm: float) -> list[dict]:
     return out
 
 
-def best_tiles(rows: list[dict]) -> tuple[dict, dict]:
-    """The decode tiles with the best o_proj + q_b_proj figure, fp8 and int4."""
-    def best(fmt):
+def best_tiles(rows: list[dict]) -> dict[str, dict]:
+    """Per format swept, the decode tile with the best o_proj + q_b_proj figure."""
+    best = {}
+    for fmt in sorted({r["format"] for r in rows if "format" in r}):
         ok = [r for r in rows if r.get("format") == fmt and r["o_proj"] == r["o_proj"]]
         top = max(ok, key=lambda r: r["o_proj"] + r["q_b_proj"])
-        return {k: top[k] for k in ("block_n", "num_warps", "num_stages", "step")}
-    return best("fp8"), best("int4")
+        best[fmt] = {k: top[k] for k in ("block_n", "num_warps", "num_stages", "step", "oversplit")}
+    return best
 
 
 def run(do_sweep: bool = False) -> dict:
@@ -156,9 +162,9 @@ def run(do_sweep: bool = False) -> dict:
     result = {"hbm_copy_gb_s": hbm, "bf16_matmul_tflops": bf16}
     if do_sweep:  # the tables below then run with the best decode tiles (o_proj + q_b_proj at batch 1)
         result["sweep"] = sweep(hbm)
-        fp8, int4 = best_tiles(result["sweep"])
-        linear_triton.DECODE_TILE.update(fp8)
-        linear_triton.INT4_GEMV_TILE.update(int4)
+        best = best_tiles(result["sweep"])
+        linear_triton.DECODE_TILE.update(best["fp8"])
+        linear_triton.INT4_GEMV_TILE.update(best["int4"])
         print("decode tiles for the tables:", linear_triton.DECODE_TILE, linear_triton.INT4_GEMV_TILE, flush=True)
     result["decode_tile"] = dict(linear_triton.DECODE_TILE)
     result["int4_gemv_tile"] = dict(linear_triton.INT4_GEMV_TILE)
@@ -191,7 +197,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--sweep", action="store_true", help="first sweep the tiles (printed as they go)")
+    parser.add_argument("--sweep-int4", action="store_true", help="sweep the int4 GEMV's tiles only, then stop")
     args = parser.parse_args()
+    if args.sweep_int4:
+        print("best int4 GEMV tile:", best_tiles(sweep(ceilings.hbm_copy_gb_s(), ("int4",), False))["int4"])
+        raise SystemExit(0)
     result = run(args.sweep)
     print(table(result))
     if args.json:

@@ -37,7 +37,7 @@ BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
 DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
 INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, int4 for 2-32 rows
-INT4_GEMV_TILE = {"block_n": 128, "num_warps": 4, "num_stages": 2, "step": 1}  # int4, one row
+INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1}  # int4, one row
 MAGIC_BITS = (0x41800000, 0x3F800000)  # 16.0 and 1.0 as fp32 bits (_int4_gemv_kernel's magic_16, magic_1)
 MAX_TILES = 4096  # decode tiles that can be split (more tiles than programs wanted are never split)
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -270,14 +270,16 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
 def _launch(kernel, x, steps: int, N: int, args: tuple, tile: dict | None = None, vector: bool = False,
             **meta) -> torch.Tensor:
     """Run `kernel` over the tiles of y [M, N] (`steps` k steps in all), split over the inputs for decode; y in x's
-    dtype. tile: the decode tile (default DECODE_TILE); vector: one row a program (M = 1)."""
+    dtype. tile: the decode tile (default DECODE_TILE; its "oversplit": programs_wanted times that many programs);
+    vector: one row a program (M = 1)."""
     M = x.shape[0]
     decode = M <= DECODE_ROWS
     tile = (tile or DECODE_TILE) if decode else PREFILL_TILE
     block_m = 1 if vector else max(16, triton.next_power_of_2(M)) if decode else tile["block_m"]
     block_n = tile["block_n"]
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    per_split = triton.cdiv(steps, max(1, min(steps, programs_wanted(x.device) // tiles))) if decode else steps
+    programs = programs_wanted(x.device) * tile.get("oversplit", 1)
+    per_split = triton.cdiv(steps, max(1, min(steps, programs // tiles))) if decode else steps
     splits = triton.cdiv(steps, per_split)
     if splits > 1 and tiles > MAX_TILES:
         raise ValueError(f"{tiles} tiles split over the inputs: more than the {MAX_TILES} counters")

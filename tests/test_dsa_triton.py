@@ -227,11 +227,11 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
     def rules(kwargs: str):
         file = tmp_path / "fp8.yaml"
         file.write_text(f"""
-- default: {{device: cpu}}
+- default: {{device: {DEVICE}}}
 - match: {{class: Attention}}
-  replace: {{op: attention.dsa_triton, device: cpu, kwargs: {{kv_dtype: fp8}}}}
+  replace: {{op: attention.dsa_triton, device: {DEVICE}, kwargs: {{kv_dtype: fp8}}}}
 - match: {{class: Indexer}}
-  replace: {{op: indexer.dsa_triton, device: cpu, kwargs: {{{kwargs}}}}}
+  replace: {{op: indexer.dsa_triton, device: {DEVICE}, kwargs: {{{kwargs}}}}}
 """)
         return load_rules(file)
 
@@ -243,7 +243,7 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
         return original(q, keys, *args, **kwargs)
 
     monkeypatch.setattr(dsa_triton, "indexer_scores", spy)
-    model(torch.arange(4, 44), new_cache(model, 64))
+    model(torch.arange(4, 44, device=DEVICE), new_cache(model, 64))  # the kernels (on a CPU, the interpreter's)
     assert seen and set(seen) == {passed}
     with pytest.raises(Glm5Error, match="fp8_queries must be true or false, got 'maybe'"):
         load_model(path, dtype=torch.float32, rules=rules("fp8_queries: maybe"))
