@@ -63,8 +63,8 @@ def rule_files(tmp_path) -> list[Path]:
 
 
 def model_layer(model, experts) -> str:
-    """The name of the experts module `experts` in model (or what it is, if it is none of them)."""
-    return next((n for n, m in model.named_modules() if m is experts), repr(experts)[:80])
+    """The name of the experts module `experts` in model."""
+    return next(n for n, m in model.named_modules() if m is experts)
 
 
 def turns(engine: Engine) -> list[list[int]]:
@@ -91,8 +91,9 @@ def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index)
         engine.stop_ids = set()
         results[graphs] = turns(engine)
         assert (engine.graphs is not None) == (graphs and engine.use_graphs)
+        ours = {id(m) for m in model.modules()}  # (rings are per device and shape: other tests' rings too)
         staged = [(key[0], n, model_layer(model, layer), e) for key, ring in expert_ring._rings.items()
-                  for n, layer, e, _, _ in ring.queue]
+                  for n, layer, e, _, _ in ring.queue if id(layer) in ours]
         assert staged == [], staged  # nothing staged that nobody uses
     assert results[True] == results[False]
     assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
