@@ -49,13 +49,21 @@ def expert_store(root: Path, model_dir: Path, fmt: str, group: int) -> DiskStore
 
 
 def convert_layer(slot_name: str, n_experts: int, checkpoint, fmt: str, group: int) -> dict[str, np.ndarray]:
-    """Read one layer's experts from the checkpoint and pack them: w13 = [gate; up], w2 = down."""
-    def stacked(kind):
-        return torch.stack([checkpoint.read(f"{slot_name}.{e}.{kind}_proj.weight") for e in range(n_experts)])
+    """Read one layer's experts from the checkpoint and pack them, an expert at a time: w13 = [gate; up], w2 = down.
+    (The whole layer stacked and widened at once took several times its fp32 bytes: over 100 GB for a GLM-5 layer.)"""
+    packed: dict[str, np.ndarray] = {}
+    for e in range(n_experts):
+        def read(kind):
+            return checkpoint.read(f"{slot_name}.{e}.{kind}_proj.weight")
 
-    v13, s13 = quantize(torch.cat([stacked("gate"), stacked("up")], dim=1), fmt, group)
-    v2, s2 = quantize(stacked("down"), fmt, group)
-    return {"w13": v13, "s13": s13, "w2": v2, "s2": s2}
+        v13, s13 = quantize(torch.cat([read("gate"), read("up")]), fmt, group)
+        v2, s2 = quantize(read("down"), fmt, group)
+        for name, a in (("w13", v13), ("s13", s13), ("w2", v2), ("s2", s2)):
+            if name not in packed:  # bf16's scales: the empty array quantize gives, for the whole layer
+                packed[name] = np.empty((n_experts, *a.shape), a.dtype) if a.size else a
+            if a.size:
+                packed[name][e] = a
+    return packed
 
 
 class NumbaExperts(nn.Module):
