@@ -128,6 +128,35 @@ def hf_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory):
+    """(directory, data): a tiny glm_moe_dsa (every input dim a multiple of 32) that transformers trained for 40
+    steps on the four sequences `data` [4, 80] until its greedy continuation of each follows it, saved in bf16. A
+    random model's logits are nearly tied, so any rounding flips its greedy tokens; a trained one's say what a
+    format costs."""
+    hf = build_hf_model("glm_moe_dsa", q_lora_rank=64).train()
+    data = torch.randint(4, 320, (4, 80), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.Adam(hf.parameters(), lr=3e-3)
+    for _ in range(40):
+        loss = hf(data, labels=data).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    path = tmp_path_factory.mktemp("trained")
+    hf.eval().to(torch.bfloat16).save_pretrained(path)
+    return path, data
+
+
+def greedy_agreement(model, prompt: list[int], tokens: list[int]) -> float:
+    """Teacher-forced over `tokens` (a greedy continuation of prompt by another model): how often model's own
+    greedy next token is the same."""
+    from glm5_offload.runtime.kv_cache import new_cache
+
+    logits = model(torch.tensor(prompt + tokens), new_cache(model, len(prompt) + len(tokens)))
+    picked = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    return sum(a == b for a, b in zip(picked, tokens)) / len(tokens)
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """arch, fp8 -> a `glm5 make-tiny` checkpoint directory."""
     from glm5_offload.tiny import make_tiny

@@ -233,7 +233,7 @@ def test_an_fp8_flash_checkpoint_is_kept_as_released(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = make_tiny(tmp_path / "flash8", arch="glm5_next", fp8=True)
     text = resolve_rules_path("glm5-flash").read_text().replace("op: experts.numba", "op: experts.reference").replace(
-        "    kwargs: {format: int4, gpu_tokens: 1024}\n", "").replace("kv_dtype: fp8, kv_offload: true, ", "").replace("attention.dsa_triton", "attention.reference").replace(
+        "    kwargs: {format: int4, activations: int8, gpu_tokens: 1024}\n", "").replace("kv_dtype: fp8, kv_offload: true, ", "").replace("attention.dsa_triton", "attention.reference").replace(
         "pooled_indexer.dsa_triton", "pooled_indexer.reference").replace(  # only the projections differ
         "kwargs: {format: fp8}\n\n- match:\n    class: Linear", "kwargs: {format: bf16}\n\n- match:\n    class: "
         "Linear")  # lm_head is bf16 in the release
@@ -283,8 +283,8 @@ def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, t
         theirs = hf(ids[None]).logits[0]
     text = resolve_rules_path("glm5-flash").read_text()
     if formats == "bf16":
-        text = text.replace("format: fp8", "format: bf16").replace("format: int4", "format: bf16").replace(
-            "kv_dtype: fp8, ", "")
+        text = text.replace("format: fp8", "format: bf16").replace("format: int4, activations: int8",
+                                                                   "format: bf16").replace("kv_dtype: fp8, ", "")
     (tmp_path / "rules.yaml").write_text(text)
     placed = load_model(path, dtype=torch.float32, rules=load_rules(tmp_path / "rules.yaml"), device="cpu")
     ops = {s.op.name for s in placed.placement.slots.values()}
@@ -341,7 +341,7 @@ def test_flash_rules_on_the_gpu_match_transformers(hf_next, tmp_path, layers, kp
     reference = load_model(path, dtype=torch.float32)
     theirs = reference(ids, new_cache(reference, 64))
     text = resolve_rules_path("glm5-flash").read_text().replace("format: fp8", "format: bf16").replace(
-        "format: int4", "format: bf16").replace("kv_dtype: fp8, ", "")
+        "format: int4, activations: int8", "format: bf16").replace("kv_dtype: fp8, ", "")
     (tmp_path / "rules.yaml").write_text(text)
     placed = load_model(path, dtype=torch.float32, rules=load_rules(tmp_path / "rules.yaml"))
     assert {s.op.name for s in placed.placement.slots.values()} >= {"kda.fla", "attention.dsa_triton"}
