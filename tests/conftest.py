@@ -146,6 +146,17 @@ def trained_checkpoint(tmp_path_factory):
     return path, data
 
 
+def bf16_continuation(path, prompt: list[int], n: int = 64) -> list[int]:
+    """The greedy continuation of prompt by the checkpoint at path in bf16 under the reference operators."""
+    from glm5_offload.loader import load_model
+    from glm5_offload.rules import load_rules
+    from glm5_offload.runtime.engine import Engine
+
+    engine = Engine(load_model(path, dtype=torch.bfloat16, rules=load_rules("glm5-cpu")))
+    engine.stop_ids = set()
+    return engine.generate(prompt, n).output_ids
+
+
 def greedy_agreement(model, prompt: list[int], tokens: list[int]) -> float:
     """Teacher-forced over `tokens` (a greedy continuation of prompt by another model): how often model's own
     greedy next token is the same."""

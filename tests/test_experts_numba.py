@@ -333,15 +333,11 @@ def test_int8_activations_keep_a_trained_models_greedy_tokens(trained_checkpoint
     the trained tiny model, teacher-forced over 64 tokens of its bf16 self's greedy continuation, with its routed
     experts in fmt (group 32), fp32 and int8 activations both agree >= 90% (measured 100% for both, in both formats;
     a wrong scale or sum in the integer path would not). What they cost a layer: bench/bench_activations.py."""
-    from conftest import greedy_agreement
-    from glm5_offload.runtime.engine import Engine
+    from conftest import bf16_continuation, greedy_agreement
 
     path, data = trained_checkpoint
-    bf16 = load_model(path, dtype=torch.bfloat16, rules=load_rules("glm5-cpu"))
-    engine = Engine(bf16)
-    engine.stop_ids = set()
     prompt = data[1, :16].tolist()
-    tokens = engine.generate(prompt, 64).output_ids
+    tokens = bf16_continuation(path, prompt)
     agree = {a: greedy_agreement(load_model(path, dtype=torch.bfloat16, rules=numba_rules(
         tmp_path, fmt, 32, name=f"{a}.yaml", activations=a)), prompt, tokens) for a in ("fp32", "int8")}
     assert min(agree.values()) >= 0.9, agree

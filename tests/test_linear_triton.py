@@ -236,16 +236,12 @@ def test_int4_weights_keep_a_trained_models_greedy_tokens(trained_checkpoint, tm
     trained tiny model's greedy next token, teacher-forced over 64 tokens, is its bf16 self's >= 90% of the time
     (measured 97%; fp8 100%; on make-tiny's random model 22% and 50%). The decode kernels (one row a step) pick what
     the widened prefill path picks."""
-    from conftest import greedy_agreement
-    from glm5_offload.runtime.engine import Engine
+    from conftest import bf16_continuation, greedy_agreement
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path, data = trained_checkpoint
-    bf16 = load_model(path, dtype=torch.bfloat16, rules=load_rules("glm5-cpu"))
-    engine = Engine(bf16)
-    engine.stop_ids = set()
     prompt = data[0, :16].tolist()
-    tokens = engine.generate(prompt, 64).output_ids
+    tokens = bf16_continuation(path, prompt)
     assert tokens == data[0, 16:].tolist()  # it learnt the sequence
     int4 = load_model(path, dtype=torch.bfloat16, rules=load_rules(fast_linears(tmp_path, "int4")))
     assert int4.model.layers[1].self_attn.o_proj.fmt == "int4"
@@ -253,6 +249,6 @@ def test_int4_weights_keep_a_trained_models_greedy_tokens(trained_checkpoint, tm
     forced = int4(torch.tensor(prompt + tokens), new_cache(int4, 128))[len(prompt) - 1 : -1].argmax(-1).tolist()
     cache = new_cache(int4, 128)
     stepped = [int4(torch.tensor(prompt), cache)[-1].argmax().item()]
-    for token in tokens[:7]:
+    for token in tokens[:3]:
         stepped.append(int4(torch.tensor([token]), cache)[-1].argmax().item())
-    assert stepped == forced[:8]
+    assert stepped == forced[:4]
