@@ -11,7 +11,7 @@ as llama.cpp's Q8 activations do; the reference then quantises its activations t
 
 The kernel is one call per layer and token batch: pairs (token, slot) are grouped by expert; phase 1
 computes gate and up for every (expert, block of rows) in parallel, reading each weight row once for
-all of that expert's tokens; phase 2 computes SiLU(gate) x up; phase 3 splits the output rows into
+all of that expert's tokens (with int8 activations an int4 row is unpacked once for 4 of them); phase 2 computes SiLU(gate) x up; phase 3 splits the output rows into
 blocks, each thread summing every active expert's down rows of its block times the routing weight.
 Both parallel phases have many more work items than cores, so all cores stay busy with 8 experts.
 """
@@ -115,25 +115,29 @@ def _sum_lanes(builder, v):
 _FP_FLAGS = ("contract", "reassoc", "nsz")  # as the numba kernels' fastmath: FMAs, reordered sums
 
 
-def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scale, float_acc=False):
-    """sum over groups g of (the group's accumulator lanes) x scale(g); step(acc, byte offset, the group's first
-    byte) adds `lanes` bytes' products into the <acc_lanes x i32> accumulator (fp32 lanes with float_acc);
-    group_bytes a multiple of lanes. The lanes are summed once, at the end."""
+def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scales, float_acc=False):
+    """For each of len(scales) vectors k: sum over groups g of (k's accumulator lanes for the group) x scales[k](g);
+    step(accs, byte offset, the group's first byte) adds `lanes` bytes' products into each <acc_lanes x i32>
+    accumulator (fp32 lanes with float_acc) and returns them; group_bytes a multiple of lanes. A row shared by
+    several vectors is loaded and unpacked once for all of them. The lanes are summed once, at the end."""
     f32v = ir.VectorType(ir.FloatType(), acc_lanes)
     accv = f32v if float_acc else ir.VectorType(ir.IntType(32), acc_lanes)
-    total = cgutils.alloca_once_value(builder, ir.Constant(f32v, None))
+    totals = [cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in scales]
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(accv, None)) for _ in scales]
     steps = builder.udiv(group_bytes, ir.Constant(group_bytes.type, lanes))
     with cgutils.for_range(builder, n_groups) as groups:
-        acc = cgutils.alloca_once_value(builder, ir.Constant(accv, None))
-        builder.store(ir.Constant(accv, None), acc)
+        for acc in accs:
+            builder.store(ir.Constant(accv, None), acc)
         base = builder.mul(groups.index, group_bytes)
         with cgutils.for_range(builder, steps) as inner:
             offset = builder.add(base, builder.mul(inner.index, ir.Constant(base.type, lanes)))
-            builder.store(step(builder.load(acc), offset, base), acc)
-        lanes_f32 = builder.load(acc) if float_acc else builder.sitofp(builder.load(acc), f32v)
-        scaled = builder.fmul(lanes_f32, _splat(builder, scale(groups.index), acc_lanes), flags=_FP_FLAGS)
-        builder.store(builder.fadd(builder.load(total), scaled, flags=_FP_FLAGS), total)
-    return _sum_lanes(builder, builder.load(total))
+            for acc, value in zip(accs, step([builder.load(acc) for acc in accs], offset, base)):
+                builder.store(value, acc)
+        for acc, total, scale in zip(accs, totals, scales):
+            lanes_f32 = builder.load(acc) if float_acc else builder.sitofp(builder.load(acc), f32v)
+            scaled = builder.fmul(lanes_f32, _splat(builder, scale(groups.index), acc_lanes), flags=_FP_FLAGS)
+            builder.store(builder.fadd(builder.load(total), scaled, flags=_FP_FLAGS), total)
+    return [_sum_lanes(builder, builder.load(total)) for total in totals]
 
 
 def _splat(builder, value, lanes):
@@ -190,16 +194,16 @@ def _row_dot_f32(typingctx, row, scales, v, vsum):
             return _float_at(builder, sc_a, g)
 
         if not int4:
-            def step(acc, i, base):
+            def step(accs, i, base):
                 w = builder.sitofp(_load_i8(builder, row_a.data, i, 16), f32v)
-                return _fma(builder, acc, w, _load_f32(builder, v_a.data, i, 16))
-            return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
+                return [_fma(builder, accs[0], w, _load_f32(builder, v_a.data, i, 16))]
+            return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, [scale], float_acc=True)[0]
 
-        def step(acc, i, base):
+        def step(accs, i, base):
             low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, 16, group_bytes, base)
-            acc = _fma(builder, acc, builder.uitofp(low, f32v), _load_f32(builder, v_a.data, lo_at, 16))
-            return _fma(builder, acc, builder.uitofp(high, f32v), _load_f32(builder, v_a.data, hi_at, 16))
-        dot = _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, scale, float_acc=True)
+            acc = _fma(builder, accs[0], builder.uitofp(low, f32v), _load_f32(builder, v_a.data, lo_at, 16))
+            return [_fma(builder, acc, builder.uitofp(high, f32v), _load_f32(builder, v_a.data, hi_at, 16))]
+        dot = _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, [scale], float_acc=True)[0]
         return _minus_offset_8(builder, dot, sc_a.nitems, scale, lambda g: _float_at(builder, sum_a, g))
     return types.float32(row, scales, v, vsum), codegen
 
@@ -216,55 +220,63 @@ def _row_dot_i8q(typingctx, row, scales, vq, vs):
         row_a, sc_a, vq_a, vs_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
         group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)
 
-        def step(acc, i, base):
-            return builder.add(acc, _pairwise_products(builder, _load_i8(builder, row_a.data, i, 32),
-                                                       _load_i8(builder, vq_a.data, i, 32)))
+        def step(accs, i, base):
+            return [builder.add(accs[0], _pairwise_products(builder, _load_i8(builder, row_a.data, i, 32),
+                                                            _load_i8(builder, vq_a.data, i, 32)))]
 
         def scale(g):
             return builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs_a, g))
-        return _grouped_dot(builder, sc_a.nitems, group_bytes, 32, 16, step, scale)
+        return _grouped_dot(builder, sc_a.nitems, group_bytes, 32, 16, step, [scale])[0]
     return types.float32(row, scales, vq, vs), codegen
 
 
 @intrinsic
-def _row_dot_u4q(typingctx, row, scales, vq, vs, vsum):
-    """sum_g scales[g] vs[g] (sum_j nibble_j vq[j] - 8 vsum[g]): int4 row (packed as int_groups lays it out), int8 vq
-    with group sums vsum. With AVX512-VNNI the nibbles (0..15) go straight into vpdpbusd, 64 bytes a step
-    for groups of 128 and 16 otherwise; without it, vpmaddwd pairs 16 bytes a step."""
+def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
+    """For each vector k of the tuples: sum_g scales[g] vss[k][g] (sum_j nibble_j vqs[k][j] - 8 vsums[k][g]): an
+    int4 row (packed as int_groups lays it out) against int8 vectors with their group scales and sums, the row
+    loaded and unpacked once for all of them. With AVX512-VNNI the nibbles (0..15) go straight into vpdpbusd, 64
+    bytes a step for groups of 128 and 16 otherwise; without it, vpmaddwd pairs 16 bytes a step."""
     vnni = _has_vnni()
+    count = len(vqs)
 
     def codegen(context, builder, signature, args):
-        row_a, sc_a, vq_a, vs_a, sum_a = (context.make_array(t)(context, builder, v)
-                                          for t, v in zip(signature.args, args))
+        row_a, sc_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:2], args[:2]))
+        vq_a, vs_a, sum_a = ([context.make_array(t.dtype)(context, builder, builder.extract_value(v, k))
+                              for k in range(count)] for t, v in zip(signature.args[2:], args[2:]))
         group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)  # half a group of inputs
 
-        def halves(acc, i, base, lanes, combine):
+        def halves(accs, i, base, lanes, combine):
             low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, lanes, group_bytes, base)
-            acc = combine(acc, low, _load_i8(builder, vq_a.data, lo_at, lanes))
-            return combine(acc, high, _load_i8(builder, vq_a.data, hi_at, lanes))
+            return [combine(combine(acc, low, _load_i8(builder, vq.data, lo_at, lanes)), high,
+                            _load_i8(builder, vq.data, hi_at, lanes)) for acc, vq in zip(accs, vq_a)]
 
-        def scale(g):
-            return builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs_a, g))
+        scales = [lambda g, vs=vs: builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs, g))
+                  for vs in vs_a]
+        results = [cgutils.alloca_once(builder, ir.FloatType()) for _ in range(count)]
 
-        result = cgutils.alloca_once(builder, ir.FloatType())
+        def dots(lanes, acc_lanes, combine):
+            values = _grouped_dot(builder, sc_a.nitems, group_bytes, lanes, acc_lanes,
+                                  lambda accs, i, base: halves(accs, i, base, lanes, combine), scales)
+            for value, result in zip(values, results):
+                builder.store(value, result)
+
         if vnni:
             quads = lambda acc, u8, s8: _vnni_quads(builder, acc, u8, s8)  # noqa: E731
             wide = builder.icmp_unsigned("==", builder.urem(group_bytes, ir.Constant(group_bytes.type, 64)),
                                          ir.Constant(group_bytes.type, 0))
             with builder.if_else(wide) as (then, otherwise):
                 with then:
-                    builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 64, 16,
-                                               lambda acc, i, base: halves(acc, i, base, 64, quads), scale), result)
+                    dots(64, 16, quads)
                 with otherwise:
-                    builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 4,
-                                               lambda acc, i, base: halves(acc, i, base, 16, quads), scale), result)
+                    dots(16, 4, quads)
         else:
-            pairs = lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8))  # noqa: E731
-            builder.store(_grouped_dot(builder, sc_a.nitems, group_bytes, 16, 8,
-                                       lambda acc, i, base: halves(acc, i, base, 16, pairs), scale), result)
-        return _minus_offset_8(builder, builder.load(result), sc_a.nitems, scale,
-                               lambda g: builder.sitofp(builder.load(builder.gep(sum_a.data, [g])), ir.FloatType()))
-    return types.float32(row, scales, vq, vs, vsum), codegen
+            dots(16, 8, lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8)))
+        def group_sum(sums):
+            return lambda g: builder.sitofp(builder.load(builder.gep(sums.data, [g])), ir.FloatType())
+        out = [_minus_offset_8(builder, builder.load(result), sc_a.nitems, scale, group_sum(sums))
+               for result, scale, sums in zip(results, scales, sum_a)]
+        return context.make_tuple(builder, signature.return_type, out)
+    return types.UniTuple(types.float32, count)(row, scales, vqs, vss, vsums), codegen
 
 
 @njit(nogil=True, cache=True)
@@ -286,12 +298,26 @@ def _quantize_rows(v, group, q, scales, sums):
             sums[i, g] = total
 
 
+DOTS_AT_ONCE = 4  # int4 rows x int8 vectors: this many vectors a pass over the row
+
+
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
-def _row_dot_q(fmt, row, scales, vq, vs, vsum):
-    """row . v with v int8-quantised (vq values, vs group scales, vsum their sums)."""
+def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
+    """out[p] = row . vq[which[p]] for p in first..last-1, the vectors int8-quantised (vq values, vs group scales,
+    vsum their sums); an int4 row unpacked once per DOTS_AT_ONCE of them."""
     if fmt == 1:
-        return _row_dot_i8q(row, scales, vq, vs)
-    return _row_dot_u4q(row, scales, vq, vs, vsum)
+        for p in range(first, last):
+            out[p] = _row_dot_i8q(row, scales, vq[which[p]], vs[which[p]])
+        return
+    p = first
+    while p + DOTS_AT_ONCE <= last:
+        a, b, c, d = which[p], which[p + 1], which[p + 2], which[p + 3]
+        out[p], out[p + 1], out[p + 2], out[p + 3] = _row_dots_u4q(row, scales, (vq[a], vq[b], vq[c], vq[d]),
+                                                                   (vs[a], vs[b], vs[c], vs[d]),
+                                                                   (vsum[a], vsum[b], vsum[c], vsum[d]))
+        p += DOTS_AT_ONCE
+    for q in range(p, last):
+        out[q] = _row_dots_u4q(row, scales, (vq[which[q]],), (vs[which[q]],), (vsum[which[q]],))[0]
 
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
@@ -349,8 +375,7 @@ def _rows_times(fmt, row, scales, group, vectors, sums, vq, vs, vsum, which, fir
     """out[p] = row . vectors[which[p]] for p in first..last-1: one vector fused, more: the row dequantised
     once; with int8 activations (vq [N, K] int8, vs scales, vsum sums, non-empty) integer dots per vector."""
     if vq.shape[0]:
-        for p in range(first, last):
-            out[p] = _row_dot_q(fmt, row, scales, vq[which[p]], vs[which[p]], vsum[which[p]])
+        _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out)
         return
     if last - first == 1:
         out[first] = _row_dot(fmt, row, scales, group, vectors[which[first]], sums[which[first]], buf)
