@@ -11,7 +11,7 @@ projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE
 times the targets' MoE layers plus the fixed rest; with one, the whole measured step per MoE layer (which
 also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
 active experts' bytes per token in the placement's format / read bandwidth); and the first checkpoint's
-last-context prefill, from its synchronised split, per layer kind (prefill_projection)."""
+last-context prefill, from its synchronised split, per layer kind (benchmark.prefill_projection)."""
 
 import argparse
 import dataclasses
@@ -23,7 +23,7 @@ from pathlib import Path
 import bench_peer
 import torch
 
-from glm5_offload.benchmark import format_table, prefill_split, random_prompt, run_benchmark
+from glm5_offload.benchmark import format_table, prefill_projection, prefill_split, random_prompt, run_benchmark
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
@@ -80,24 +80,6 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
                          "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
                          "bound_tok_s": None if bound_ms is None else 1e3 / bound_ms,
                          "of_bound": None if bound_ms is None else bound_ms / ms})
-    return rows
-
-
-def prefill_projection(result: dict, config) -> list[dict]:
-    """The measured context's prefill (its synchronised split) scaled per layer kind to GLM-5 and GLM-5.2: the
-    indexer per full layer, the rest of attention and the unmarked work per layer, the experts (and their
-    transfers) per MoE layer."""
-    split = result["prefill_split_s"]
-    indexer_per_full = split["of which indexer"] / config.indexer_types.count("full")
-    rest_per_layer = (split["attention"] - split["of which indexer"] + split["other"]) / config.num_hidden_layers
-    experts_per_moe = (split["experts"] + split["transfers"]) / len(config.moe_layers)
-    rows = []
-    for target in TARGETS:
-        t = load_config(target)
-        parts = {"indexer": t.indexer_types.count("full") * indexer_per_full,
-                 "rest": t.num_hidden_layers * rest_per_layer, "experts": len(t.moe_layers) * experts_per_moe}
-        rows.append({"target": target, "context": result["context"], "parts_s": parts,
-                     "projected_prefill_s": sum(parts.values())})
     return rows
 
 
@@ -203,13 +185,13 @@ def main(argv=None):
             bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
             print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | "
                   f"{p['projected_ms_per_token']:.0f} | {p['projected_tok_s']:.2f} | {bound} |")
-    prefill_rows = prefill_projection(results[-1], configs[counts[0]])
+    prefill_rows = prefill_projection(results[-1]["prefill_split_s"], configs[counts[0]])
     print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of {args.prefill_chunk})")
     print("| model | context | indexer s | rest of attention and other s | experts s | projected prefill |")
     print("| --- | --- | --- | --- | --- | --- |")
     for p in prefill_rows:
         parts = p["parts_s"]
-        print(f"| {p['target']} | {p['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | {parts['experts']:.0f} | "
+        print(f"| {p['target']} | {results[-1]['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | {parts['experts']:.0f} | "
               f"{p['projected_prefill_s']:.0f} s ({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "peers": peers, "read_gb_s": read_gb_s, "marginal_layer":

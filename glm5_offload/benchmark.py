@@ -11,6 +11,9 @@ MLPs, router, norms, lm_head, sampling, Python).
 A last run prefills the context afresh under a Timeline: the same parts for the prefill (the indexer shown
 apart, as a part of attention), from which bench_e2e.py projects a whole model's long prefill. That context is then
 saved to a temporary file and loaded back into the engine (runtime/saved_context.py): the file's size and the times.
+The prefill's split also projects the same context's prefill on the full published models of the measured one's
+kind (prefill_projection): a checkpoint cut to a few layers (`glm5 make-tiny --preset`) tells what the whole
+model's long prefill costs.
 With the routed experts on the CPU, decode is measured against its host-bandwidth bound: the bytes of the experts
 one token reads (the planner's figure for the placement) at the host's read bandwidth (kernels/host_read.py).
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .config import load_config
 from .kernels.host_read import read_bandwidth_gb_s
 from .model import Experts
 from .planner import make_plan
@@ -30,6 +34,11 @@ from .runtime.saved_context import load_context, save_context
 from .util import Timeline
 
 PARTS = ("attention", "experts", "transfers")
+PROJECTED_MODELS = {"glm_moe_dsa": ("glm-5", "glm-5.2"), "deepseek_v32": ("deepseek-v3.2",)}  # presets, by kind
+# what a layer's cost depends on: a projection scales a measured layer to a target with all of them equal
+LAYER_DIMS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+              "index_n_heads", "index_head_dim", "index_topk", "moe_intermediate_size", "n_routed_experts",
+              "num_experts_per_tok", "intermediate_size")
 
 
 def parts(timeline: Timeline, seconds: float) -> dict[str, float]:
@@ -52,6 +61,28 @@ def prefill_split(engine: Engine, prompt: list[int]) -> dict[str, float]:
     split = parts(timeline, fresh.prefill_seconds)
     split["of which indexer"] = timeline.seconds.get("indexer", 0.0)
     return split
+
+
+def prefill_projection(split: dict[str, float], config) -> list[dict]:
+    """A prefill's split (prefill_split) scaled per layer kind to the full models of config's kind whose layers
+    have its dims (PROJECTED_MODELS, LAYER_DIMS): the indexer per full-indexer layer, the rest of attention and
+    the unmarked work per layer, the experts and their transfers per MoE layer. [] where no such model exists."""
+    full = config.indexer_types.count("full")
+    if config.model_type not in PROJECTED_MODELS or not full or not config.moe_layers:
+        return []
+    dims = lambda c: [getattr(c, name) for name in LAYER_DIMS]  # noqa: E731
+    targets = {name: load_config(name) for name in PROJECTED_MODELS[config.model_type]}
+    indexer_per_full = split["of which indexer"] / full
+    rest_per_layer = (split["attention"] - split["of which indexer"] + split["other"]) / config.num_hidden_layers
+    experts_per_moe = (split["experts"] + split["transfers"]) / len(config.moe_layers)
+    rows = []
+    for name, t in targets.items():
+        if dims(t) != dims(config):
+            continue
+        parts = {"indexer": t.indexer_types.count("full") * indexer_per_full,
+                 "rest": t.num_hidden_layers * rest_per_layer, "experts": len(t.moe_layers) * experts_per_moe}
+        rows.append({"target": name, "parts_s": parts, "projected_prefill_s": sum(parts.values())})
+    return rows
 
 
 def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) -> dict:
@@ -93,6 +124,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "split_ms_per_token": {k: v / new_tokens * 1e3 for k, v in split.items()},
         "split_prefilled_tokens": third.prefilled_tokens,
         "prefill_split_s": prefill,
+        "prefill_projection": prefill_projection(prefill, model.config),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         "saved_context": saved,
@@ -144,6 +176,12 @@ def format_table(r: dict) -> str:
     lines += [f"    {name:<10} {ms:9.3f} ms  {ms / total:6.1%}" for name, ms in split.items()]
     lines.append("  prefill of the whole context, synchronised run, seconds:")
     lines += [f"    {name:<16} {s:9.3f} s" for name, s in r["prefill_split_s"].items()]
+    if r["prefill_projection"]:
+        lines.append(f"  the same {r['context']}-token prefill projected to the full models (indexer per full layer, "
+                     "the rest per layer, experts per MoE layer):")
+        lines += [f"    {p['target']:<16} {p['projected_prefill_s']:9.1f} s = {p['projected_prefill_s'] / 60:.1f} min "
+                  f"(indexer {p['parts_s']['indexer']:.1f} s, rest {p['parts_s']['rest']:.1f} s, experts "
+                  f"{p['parts_s']['experts']:.1f} s)" for p in r["prefill_projection"]]
     bound = r["host_bound"]
     if bound:
         lines.append(f"  host-bandwidth bound: {bound['expert_bytes_per_token'] / 1e6:.1f} MB of routed experts a token "

@@ -8,10 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from glm5_offload.benchmark import prefill_projection
 from glm5_offload.config import load_config
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
+from glm5_offload.tiny import shaped_config, tiny_config
 from glm5_offload.runtime.kv_cache import new_cache
 
 from conftest import AS_THIS_PROCESS, cli_env, glm5
@@ -155,13 +157,38 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     saved = r["saved_context"]  # the prefilled context saved and loaded back
     assert saved["tokens"] == 40 and saved["bytes"] > 40 * 5 * 64 and saved["save_s"] > 0 and saved["load_s"] > 0
     assert "context of 40 tokens saved" in table
+    assert r["prefill_projection"] == [] and "projected" not in table  # tiny dims: no full model to scale to
+
+
+def test_prefill_projection_scales_each_part_by_its_layers(tmp_path):
+    """A full model's own split projects onto itself unchanged; onto GLM-5 (78 full-indexer layers against
+    GLM-5.2's 21, the same layer and MoE counts) only the indexer scales; a checkpoint cut to a few layers of
+    GLM-5.2's dims (make-tiny --preset) scales each part by its layers; other dims project nowhere."""
+    split = {"attention": 30.0, "of which indexer": 12.0, "experts": 20.0, "transfers": 5.0, "other": 3.0}
+    config = load_config("glm-5.2")
+    full = config.indexer_types.count("full")
+    assert (full, config.num_hidden_layers, len(config.moe_layers)) == (21, 78, 75)
+    rows = {p["target"]: p for p in prefill_projection(split, config)}
+    assert rows["glm-5.2"]["projected_prefill_s"] == pytest.approx(30 + 20 + 5 + 3)
+    assert rows["glm-5"]["parts_s"] == pytest.approx({"indexer": 12 * 78 / 21, "rest": 21.0, "experts": 25.0})
+    def written(name, config):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return load_config(tmp_path / name)
+
+    cut = written("cut", shaped_config("glm-5.2", 3))
+    full_cut, moe_cut = cut.indexer_types.count("full"), len(cut.moe_layers)
+    rows = {p["target"]: p for p in prefill_projection(split, cut)}
+    assert rows["glm-5.2"]["parts_s"] == pytest.approx({"indexer": 12 * 21 / full_cut, "rest": 21 * 78 / 3,
+                                                        "experts": 25 * 75 / moe_cut})
+    assert prefill_projection(split, load_config("glm-5.3-flash")) == []  # no DSA kind of its own to scale to
+    assert prefill_projection(split, written("tiny", tiny_config("glm_moe_dsa"))) == []  # tiny dims
 
 
 def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
     """--preset: the published config's dims cut to a few layers (a small config.json stands in for GLM-5's
     here; its real dims are checked on the config alone), written a layer a shard, loadable and runnable."""
     from glm5_offload.loader import load_model
-    from glm5_offload.tiny import shaped_config, tiny_config
 
     real = shaped_config("glm-5", 4)
     assert (real["hidden_size"], real["n_routed_experts"], real["moe_intermediate_size"], real["index_head_dim"],
