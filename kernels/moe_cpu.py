@@ -13,8 +13,8 @@ The kernel is one call per layer and token batch: pairs (token, slot) are groupe
 computes gate and up for every (expert, block of rows) in parallel, reading each weight row once for
 all of that expert's tokens (with int8 activations an int4 row is unpacked once for 4 of them); phase 2 computes SiLU(gate) x up; phase 3 splits the output rows into
 blocks, each thread summing every active expert's down rows of its block times the routing weight.
-Both parallel phases have many more work items than cores, so all cores stay busy with 8 experts. Each weight
-step prefetches the line PREFETCH_AHEAD bytes on, so a core's dots and its DRAM reads overlap.
+Both parallel phases have many more work items than cores, so all cores stay busy with 8 experts. Each int4
+weight step prefetches the line PREFETCH_AHEAD bytes on, so a core's dots and its DRAM reads overlap.
 """
 
 import os
@@ -157,9 +157,10 @@ def _fma(builder, acc, a, b):
     return builder.fadd(acc, builder.fmul(a, b, flags=_FP_FLAGS), flags=_FP_FLAGS)
 
 
-# A weight step asks for the cache line this many bytes ahead: a work item's rows follow each other in memory, and
-# the hardware prefetchers alone left a core waiting on DRAM between its dots (H200 host, 16 threads, int4 + int8
-# activations: 57 GB/s without, 86 GB/s at 1024 bytes, 72-82 GB/s at 4096; one thread 5.4 -> 9.8 GB/s).
+# An int4 weight step asks for the cache line this many bytes ahead: a work item's rows follow each other in memory,
+# and the hardware prefetchers alone left a core waiting on DRAM between its dots (H200 host, 16 threads, int4 + int8
+# activations: 57 GB/s without, 86 GB/s at 1024 bytes, 72-82 GB/s at 4096; one thread 5.4 -> 9.8 GB/s). int8 rows
+# (twice the bytes for the same dots) read at 76% of the host's bandwidth without it: left as they were.
 PREFETCH_AHEAD = 1024
 
 
@@ -213,7 +214,6 @@ def _row_dot_f32(typingctx, row, scales, v, vsum):
 
         if not int4:
             def step(accs, i, base):
-                _prefetch(builder, row_a.data, i)
                 w = builder.sitofp(_load_i8(builder, row_a.data, i, 16), f32v)
                 return [_fma(builder, accs[0], w, _load_f32(builder, v_a.data, i, 16))]
             return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, [scale], float_acc=True)[0]
@@ -240,7 +240,6 @@ def _row_dot_i8q(typingctx, row, scales, vq, vs):
         group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)
 
         def step(accs, i, base):
-            _prefetch(builder, row_a.data, i)
             return [builder.add(accs[0], _pairwise_products(builder, _load_i8(builder, row_a.data, i, 32),
                                                             _load_i8(builder, vq_a.data, i, 32)))]
 

@@ -109,7 +109,7 @@ def test_grouping_keeps_every_pair():
 
 
 def test_generated_code_is_vectorised():
-    """Vector FMAs on wide registers, widening int8 loads, the weights prefetched ahead of their loads; read off a
+    """Vector FMAs on wide registers, widening int8 loads, int4 weights prefetched ahead of their loads; read off a
     fresh (uncached) compile."""
     kernel = numba.njit(parallel=True, nogil=True, fastmath=moe_cpu._FASTMATH)(moe_cpu.moe_layer.py_func)
     for fmt, group in (("int8", 64), ("int4", 64)):
