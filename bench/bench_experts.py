@@ -2,6 +2,7 @@
 measured in the same run and against a torch CPU baseline on the same weights.
 
     PYTHONPATH=. python3 bench/bench_experts.py [--experts 256] [--threads N] [--formats bf16,int8,int4]
+        [--prefetch 0,1024,4096]
 
 Decode: one token, 8 of the layer's experts (random routing, random weights), weight bytes read per
 second = the 8 experts' bytes (values and scales) / time. `+a8` formats quantise the activations to int8
@@ -9,12 +10,18 @@ too and take integer dots (their baseline is the same fp32-activation torch code
 experts, in GFLOP/s (2 x 3 x hidden x inter per token and expert). The torch baseline dequantises the
 chosen experts with torch ops and multiplies in fp32 (bf16: torch's own bf16 matmul), one expert at a
 time, as a plain torch implementation would. Weights are generated in place, never all at once in fp32.
+
+Beside the read bandwidth, one core's compute ceiling: the int4 x int8 row dot over rows that stay in L2 (no DRAM
+read), for one token and for four. --prefetch D1,D2,... times int4 + int8-activation decode with moe_cpu's
+PREFETCH_AHEAD set to each distance, each in a fresh process with its own numba cache, in alternating rounds.
 """
 
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numba
@@ -24,6 +31,7 @@ import torch
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
+from numba import njit
 
 HIDDEN, INTER, TOP_K = 6144, 2048, 8
 
@@ -79,19 +87,84 @@ def torch_baseline(fmt, group, layer, x, ids, weights):
     return out.numpy()
 
 
+@njit(nogil=True)
+def _row_dots(rows, scales, xq, xs, xsum, reps, four):
+    total = np.float32(0.0)
+    for _ in range(reps):
+        for r in range(rows.shape[0]):
+            if four:
+                a, b, c, d = moe_cpu._row_dots_u4q(rows[r], scales[r], (xq[0], xq[1], xq[2], xq[3]),
+                                                   (xs[0], xs[1], xs[2], xs[3]), (xsum[0], xsum[1], xsum[2], xsum[3]))
+                total += a + b + c + d
+            else:
+                total += moe_cpu._row_dots_u4q(rows[r], scales[r], (xq[0],), (xs[0],), (xsum[0],))[0]
+    return total
+
+
+def row_dot_gb_s(group: int, rng) -> dict:
+    """One core, int4 rows x int8 vectors, 32 rows of GLM-5's hidden dim (96 KB: they stay in L2): GB/s of weights
+    for one vector and GB/s-equivalent (bytes x vectors) for four."""
+    rows = rng.integers(0, 256, (32, HIDDEN // 2), dtype=np.uint8)
+    scales = rng.random((32, HIDDEN // group), np.float32)
+    xq, xs = np.empty((4, HIDDEN), np.int8), np.empty((4, HIDDEN // group), np.float32)
+    xsum = np.empty((4, HIDDEN // group), np.int32)
+    moe_cpu._quantize_rows(rng.standard_normal((4, HIDDEN), np.float32), group, xq, xs, xsum)
+    out = {}
+    for four, name in ((False, "one_vector_gb_s"), (True, "four_vectors_gb_s")):
+        _row_dots(rows, scales, xq, xs, xsum, 1, four)
+        reps = 500
+        seconds = _timed(lambda: _row_dots(rows, scales, xq, xs, xsum, reps, four))
+        out[name] = rows.nbytes * reps * (4 if four else 1) / seconds / 1e9
+    return out
+
+
+def decode_times(fmt, layer, experts, group, threads, rng, act_int8, runs=60) -> tuple[list[float], int]:
+    """Seconds of `runs` one-token decodes, each with fresh experts (so the weights come from DRAM, not cache), and
+    the bytes one reads."""
+    x = rng.standard_normal((1, HIDDEN), np.float32)
+    w = rng.random((1, TOP_K), np.float32)
+    run = lambda ids: moe_cpu.moe_forward(fmt, group, *layer, x, ids, w, threads=threads,  # noqa: E731
+                                          act_int8=act_int8)
+    run(np.arange(TOP_K)[None])  # compile / warm
+    times = []
+    for _ in range(runs):
+        ids = rng.permutation(experts)[:TOP_K][None].astype(np.int64)
+        times.append(_timed(lambda: run(ids)))
+    return times, sum(expert_bytes(layer, e) for e in range(TOP_K))
+
+
+def _percentile(values, q):
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+
+
+def prefetch_sweep(distances, experts, group, threads, rounds=2) -> list[dict]:
+    """int4 + int8-activation decode at each prefetch distance, every one in its own process and numba cache
+    (the distance is compiled in), the distances taken in turn `rounds` times."""
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import numpy as np, bench_experts as b; "
+            "from glm5_offload.kernels import moe_cpu; moe_cpu.PREFETCH_AHEAD = {d}; "
+            "layer = b.random_layer('int4', {e}, {g}); t, n = b.decode_times('int4', layer, {e}, {g}, {t}, "
+            "np.random.default_rng(0), True); print(json.dumps([b._percentile(t, 0.5), n]))")
+    results = {d: [] for d in distances}
+    for _ in range(rounds):
+        for d in distances:
+            with tempfile.TemporaryDirectory() as cache:
+                proc = subprocess.run([sys.executable, "-c", code.format(d=d, e=experts, g=group, t=threads)],
+                                      env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True,
+                                      check=True)
+            seconds, nbytes = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[d].append({"decode_ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9})
+            print(f"prefetch {d} B: {seconds * 1e3:.2f} ms", flush=True)
+    return [{"prefetch_bytes": d, "runs": r} for d, r in results.items()]
+
+
 def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=False):
     run = lambda x, ids, w: moe_cpu.moe_forward(fmt, group, *layer, x, ids, w, threads=threads,  # noqa: E731
                                                 act_int8=act_int8)
+    times, decode_bytes = decode_times(fmt, layer, experts, group, threads, rng, act_int8)
+    decode_s = _percentile(times, 0.5)
     x = rng.standard_normal((1, HIDDEN), np.float32)
     ids = rng.permutation(experts)[:TOP_K][None].astype(np.int64)
     w = rng.random((1, TOP_K), np.float32)
-    run(x, ids, w)  # compile / warm
-    decode_runs = []
-    for i in range(20):  # fresh experts each run, so the weights come from DRAM, not cache
-        ids = rng.permutation(experts)[:TOP_K][None].astype(np.int64)
-        decode_runs.append((_timed(lambda: run(x, ids, w)), sum(expert_bytes(layer, e) for e in ids[0])))
-    decode_s = sorted(t for t, _ in decode_runs)[len(decode_runs) // 2]
-    decode_bytes = decode_runs[0][1]
     check = run(x, ids, w)
     torch.set_num_threads(threads)
     base = torch_baseline(fmt, group, layer, x, ids, w)
@@ -107,7 +180,8 @@ def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=F
     flops = tokens * TOP_K * 3 * HIDDEN * INTER * 2
     return {
         "format": fmt + ("+a8" if act_int8 else ""), "group": group if fmt != "bf16" else None,
-        "decode_ms": decode_s * 1e3, "decode_gb_s": decode_bytes / decode_s / 1e9,
+        "decode_ms": decode_s * 1e3, "decode_ms_p10": _percentile(times, 0.1) * 1e3,
+        "decode_ms_p90": _percentile(times, 0.9) * 1e3, "decode_gb_s": decode_bytes / decode_s / 1e9,
         "decode_frac_of_read_bw": decode_bytes / decode_s / 1e9 / read_gb_s,
         "torch_decode_ms": torch_s * 1e3, "speedup_vs_torch": torch_s / decode_s,
         "prefill_512_gflop_s": flops / prefill_s / 1e9, "agreement_vs_torch_rel_err": rel,
@@ -121,6 +195,8 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--formats", default="bf16,int8,int4,int8+a8,int4+a8",
                         help="weight formats; +a8: with int8 activations (integer dots)")
+    parser.add_argument("--prefetch", default="", help="int4 + int8-activation decode at these prefetch distances "
+                                                           "(bytes, comma-separated; 0: none), each compiled fresh")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     numba.set_num_threads(args.threads)
@@ -129,6 +205,17 @@ def main(argv=None):
     results = {"cores": os.cpu_count(), "threads": args.threads, "experts": args.experts,
                "read_bw_gb_s": read, "formats": []}
     print(f"STREAM-style read bandwidth: {read:.1f} GB/s ({args.threads} threads)", flush=True)
+    results["row_dot_one_core"] = row = row_dot_gb_s(args.group, rng)
+    print(f"one core's int4 x int8 row dots from L2: {row['one_vector_gb_s']:.1f} GB/s of weights for one token, "
+          f"{row['four_vectors_gb_s']:.1f} GB/s-equivalent for four", flush=True)
+    if args.prefetch:
+        results["prefetch"] = prefetch_sweep([int(d) for d in args.prefetch.split(",")], args.experts, args.group,
+                                             args.threads)
+        print("\n| prefetch bytes | decode ms, each round | GB/s | of read BW |\n| --- | --- | --- | --- |")
+        for p in results["prefetch"]:
+            gb_s = sorted(r["gb_s"] for r in p["runs"])
+            times = ", ".join(f"{r['decode_ms']:.2f}" for r in p["runs"])
+            print(f"| {p['prefetch_bytes']} | {times} | {gb_s[0]:.1f}-{gb_s[-1]:.1f} | {gb_s[-1] / read:.0%} |")
     layers = {}
     for spec in args.formats.split(","):
         fmt = spec.removesuffix("+a8")
@@ -137,11 +224,11 @@ def main(argv=None):
         r = bench_format(fmt, layers[fmt], args.experts, args.group, args.threads, read, rng, spec.endswith("+a8"))
         results["formats"].append(r)
         print(json.dumps(r), flush=True)
-    print("\n| format | decode ms | GB/s | of read BW | torch ms | x torch | prefill 512 GFLOP/s |")
+    print("\n| format | decode ms (p10-p90) | GB/s | of read BW | torch ms | x torch | prefill 512 GFLOP/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results["formats"]:
         name = r["format"] + (f"/g{r['group']}" if r["group"] else "")
-        print(f"| {name} | {r['decode_ms']:.2f} | {r['decode_gb_s']:.1f} | {r['decode_frac_of_read_bw']:.0%} | "
+        print(f"| {name} | {r['decode_ms']:.2f} ({r['decode_ms_p10']:.2f}-{r['decode_ms_p90']:.2f}) | {r['decode_gb_s']:.1f} | {r['decode_frac_of_read_bw']:.0%} | "
               f"{r['torch_decode_ms']:.1f} | {r['speedup_vs_torch']:.1f} | {r['prefill_512_gflop_s']:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
