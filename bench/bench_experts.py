@@ -26,12 +26,12 @@ import time
 
 import numba
 import numpy as np
+from numba import njit
 import torch
 
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
-from numba import njit
 
 HIDDEN, INTER, TOP_K = 6144, 2048, 8
 
@@ -188,6 +188,17 @@ def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=F
     }
 
 
+def distances(text: str) -> list[int]:
+    """--prefetch's value: comma-separated byte counts >= 0."""
+    try:
+        values = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: byte counts separated by commas, e.g. 0,1024,4096") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a prefetch distance cannot be negative")
+    return values
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--experts", type=int, default=256)
@@ -195,7 +206,7 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--formats", default="bf16,int8,int4,int8+a8,int4+a8",
                         help="weight formats; +a8: with int8 activations (integer dots)")
-    parser.add_argument("--prefetch", default="", help="int4 + int8-activation decode at these prefetch distances "
+    parser.add_argument("--prefetch", type=distances, default=[], help="int4 + int8-activation decode at these prefetch distances "
                                                            "(bytes, comma-separated; 0: none), each compiled fresh")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
@@ -209,8 +220,7 @@ def main(argv=None):
     print(f"one core's int4 x int8 row dots from L2: {row['one_vector_gb_s']:.1f} GB/s of weights for one token, "
           f"{row['four_vectors_gb_s']:.1f} GB/s-equivalent for four", flush=True)
     if args.prefetch:
-        results["prefetch"] = prefetch_sweep([int(d) for d in args.prefetch.split(",")], args.experts, args.group,
-                                             args.threads)
+        results["prefetch"] = prefetch_sweep(args.prefetch, args.experts, args.group, args.threads)
         print("\n| prefetch bytes | decode ms, each round | GB/s | of read BW |\n| --- | --- | --- | --- |")
         for p in results["prefetch"]:
             gb_s = sorted(r["gb_s"] for r in p["runs"])

@@ -71,12 +71,12 @@ def prefill_projection(split: dict[str, float], config) -> list[dict]:
     if config.model_type not in PROJECTED_MODELS or not full or not config.moe_layers:
         return []
     dims = lambda c: [getattr(c, name) for name in LAYER_DIMS]  # noqa: E731
-    targets = {name: load_config(name) for name in PROJECTED_MODELS[config.model_type]}
     indexer_per_full = split["of which indexer"] / full
     rest_per_layer = (split["attention"] - split["of which indexer"] + split["other"]) / config.num_hidden_layers
     experts_per_moe = (split["experts"] + split["transfers"]) / len(config.moe_layers)
     rows = []
-    for name, t in targets.items():
+    for name in PROJECTED_MODELS[config.model_type]:
+        t = load_config(name)
         if dims(t) != dims(config):
             continue
         parts = {"indexer": t.indexer_types.count("full") * indexer_per_full,

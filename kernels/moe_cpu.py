@@ -11,8 +11,9 @@ as llama.cpp's Q8 activations do; the reference then quantises its activations t
 
 The kernel is one call per layer and token batch: pairs (token, slot) are grouped by expert; phase 1
 computes gate and up for every (expert, block of rows) in parallel, reading each weight row once for
-all of that expert's tokens (with int8 activations an int4 row is unpacked once for 4 of them); phase 2 computes SiLU(gate) x up; phase 3 splits the output rows into
-blocks, each thread summing every active expert's down rows of its block times the routing weight.
+all of that expert's tokens (with int8 activations an int4 row is unpacked once for 4 of them); phase 2
+computes SiLU(gate) x up; phase 3 splits the output rows into blocks, each thread summing every active
+expert's down rows of its block times the routing weight.
 Both parallel phases have many more work items than cores, so all cores stay busy with 8 experts. Each int4
 weight step prefetches the line PREFETCH_AHEAD bytes on, so a core's dots and its DRAM reads overlap.
 """
@@ -290,6 +291,7 @@ def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
                     dots(16, 4, quads)
         else:
             dots(16, 8, lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8)))
+
         def group_sum(sums):
             return lambda g: builder.sitofp(builder.load(builder.gep(sums.data, [g])), ir.FloatType())
         out = [_minus_offset_8(builder, builder.load(result), sc_a.nitems, scale, group_sum(sums))
