@@ -1,12 +1,14 @@
 """DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
 beside the plain-torch reference (glm5_offload/model/mla.py).
 
-    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8]
+    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep | --indexer-call-1m]
 
 Decode kernels take microseconds, less than Python's launch of them: they are timed eagerly and replayed
 from a CUDA graph (the GPU's own time; the engine's decode is to run from graphs). --sweep also times
 each kernel over block shapes (the defaults in kernels/dsa_triton.py come from such a sweep).
---mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first.
+--mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first;
+--indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k;
+--mla-prefill-sweep only sparse MLA prefill's block sweep.
 """
 
 import json
@@ -129,13 +131,19 @@ def prefill_sweep() -> dict:
                     timings[f"block_s={block_s},block_t={block_t},key_blocks={key_blocks},warps={warps}"] = flops / ms / 1e9
     best = max(timings, key=timings.get)
     out["indexer_prefill"] = {"best": best, "tflops": timings[best]}
+    return {**out, **mla_prefill_sweep()}
+
+
+def mla_prefill_sweep() -> dict:
+    """Sparse MLA prefill (2048 queries, 131072 bf16 rows) over block shapes and pipeline stages: the best TFLOP/s."""
+    out, S = {}, 2048
     q_lat, q_pe, latent, indices = mla_inputs(S, 131072)
     flops = 2 * S * H * TOPK * (L + R + L)
     timings = {}
     for block_h in (32, 64):
         for block_k in (32, 64):
             for warps in (4, 8):
-                for stages in (1, 2):
+                for stages in (1, 2, 3):
                     try:
                         ms = ceilings.time_ms(lambda: dsa_triton.sparse_mla(
                             q_lat, q_pe, latent, indices, L, 0.06, block_h=block_h, block_k=block_k,
@@ -171,6 +179,24 @@ def indexer_prefill_fp8(table: list, mm: float) -> dict:
     table.append(("top-2048 of FP8-query scores vs bf16-query scores (2048 rows of 131072)",
                   f"mean overlap {overlap.mean():.4f}, min {overlap.min():.4f}, "
                   f"rows equal {(overlap == 1).float().mean():.1%}"))
+    return rows
+
+
+def indexer_call_1m(table: list) -> dict:
+    """One call of a prefill chunk's indexer at 1M keys as the engine makes it (query_chunk: 128 queries, FP8 keys
+    and queries; positions spread over the context, so half the keys are causal on average): the scores kernel
+    against the top-2048 of its [128, 1M] scores by torch.topk (the prefill's select) and by the radix select."""
+    T = 1 << 20
+    S = 2 * (1 << 26) // T
+    q, keys, w, kw, _ = indexer_inputs(S, T, fp8=True)
+    positions = torch.linspace(0, T - 1, S, device="cuda").long()
+    scores = dsa_triton.indexer_scores(q, keys, w, positions, **kw)
+    rows = {"indexer_call_1m_ms": ceilings.time_ms(lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw)),
+            "indexer_call_1m_torch_topk_ms": ceilings.time_ms(lambda: scores.topk(TOPK)),
+            "indexer_call_1m_radix_topk_ms": ceilings.time_ms(lambda: topk_triton.topk_indices(scores, TOPK))}
+    table.append((f"indexer prefill call, {S} queries x 1M FP8 keys (causal, spread)",
+                  f"scores {rows['indexer_call_1m_ms']:.2f} ms, torch.topk {rows['indexer_call_1m_torch_topk_ms']:.2f} "
+                  f"ms, radix select {rows['indexer_call_1m_radix_topk_ms']:.2f} ms"))
     return rows
 
 
@@ -219,6 +245,7 @@ def main(sweep: bool = False):
                   f"{flops / ms / 1e9 / mm:.0%} of matmul (torch {ref:.1f} ms)"))
     rows.update(indexer_prefill_fp8(table, mm))
     rows.update(topk(table, hbm))
+    rows.update(indexer_call_1m(table))
     for fp8 in (False, True):
         for S in (1, 32):
             ms, graph, ref, _ = mla_case(S, 131072, fp8)
@@ -252,6 +279,15 @@ def main(sweep: bool = False):
 
 
 if __name__ == "__main__":
+    if "--indexer-call-1m" in sys.argv:
+        table = []
+        print(json.dumps(indexer_call_1m(table)))
+        for name, value in table:
+            print(f"| {name} | {value} |")
+        sys.exit(0)
+    if "--mla-prefill-sweep" in sys.argv:
+        print(json.dumps(mla_prefill_sweep()))
+        sys.exit(0)
     if "--mla-prefill-fp8" in sys.argv:
         for name, value in mla_prefill_fp8()[1]:
             print(f"| {name} | {value} |")

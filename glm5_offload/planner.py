@@ -150,7 +150,8 @@ def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budge
                     shared[key] = b
     for b in shared.values():
         add(b)
-    heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + config.kv_lora_rank)
+    # per head: q, the output, and sparse MLA's o [kv_lora_rank] twice (a tiered cache's key slab merges its own)
+    heads = config.num_attention_heads * (config.qk_head_dim + config.v_head_dim + 2 * config.kv_lora_rank)
     if config.kda_layers:  # a KDA layer's q, k, v, gates and convolution inputs
         heads = max(heads, 12 * config.linear_num_heads * config.linear_head_dim)
     # residual stream(s: hc_mult with hyper-connections), norms, projections of one chunk, and the logits

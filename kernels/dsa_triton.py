@@ -200,13 +200,15 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
 
 
 @triton.jit
-def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K, H, rows_per_split, scale,
-                       L: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_K: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr):
+def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, range_ptr, out_ptr, lse_ptr, S, K, H, rows_per_split,
+                       scale, L: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, G: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr,
+                       RANGED: tl.constexpr):
     # qc [S, H, L], qr [S, H, R], idx [S, K] int64 (-1 = none); latent [T, L+R] = [c | k_pe], or with FP8
     # bytes [T, L + 4L/G + 2R] = [c e4m3 | one fp32 scale per G values | k_pe bf16]. Program (s, head block,
     # split) handles the split's rows of idx[s] and writes its normalised o [split, S, H, L], lse [split, S, H].
     # RB: R rounded up to a block (>= 16; R may be 0: GLM-5.3-Flash has no rope, its dot then adds zeros).
+    # RANGED: range [S, 2] int32 holds the span of idx[s] with its valid rows; the rest is not read.
     s, pid_h, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -221,6 +223,9 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, S, K,
     acc = tl.zeros((BLOCK_H, L), tl.float32)
     k_begin = split * rows_per_split
     k_end = tl.minimum(k_begin + rows_per_split, K)
+    if RANGED:
+        k_begin = tl.maximum(k_begin, tl.load(range_ptr + 2 * s))
+        k_end = tl.minimum(k_end, tl.load(range_ptr + 2 * s + 1))
     for k0 in tl.range(k_begin, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + s * K + kk, mask=kk < k_end, other=-1)
@@ -263,13 +268,13 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SP
     r = tl.program_id(0)
     sp, lc = tl.arange(0, SPLITS), tl.arange(0, L)
     lse = tl.load(part_lse_ptr + sp * SH + r, mask=sp < splits, other=float("-inf"))  # -inf: split without a row
-    total = tl.max(lse, axis=0)
-    w = tl.exp(lse - total)
-    total = total + tl.log(tl.sum(w, axis=0))
-    w = tl.exp(lse - total)
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split with a row (a key slab's): o 0, lse -inf
+    w = tl.exp(lse - top)
+    total = tl.sum(w, axis=0)
     o = tl.load(part_out_ptr + (sp[:, None] * SH + r) * L + lc[None, :], mask=(sp < splits)[:, None], other=0.0)
-    tl.store(out_ptr + r * L + lc, tl.sum(o * w[:, None], axis=0))
-    tl.store(lse_ptr + r, total)
+    tl.store(out_ptr + r * L + lc, tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total))
+    tl.store(lse_ptr + r, top + tl.log(total))
 
 
 @triton.jit
@@ -306,11 +311,21 @@ def fp8_latent_to_bf16(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> 
     return out
 
 
+def valid_span(indices: torch.Tensor) -> torch.Tensor:
+    """indices [S, K] (-1 = none) -> [S, 2] int32: from each row's first valid entry to one past its last ([0, 0]
+    for a row with none)."""
+    valid = indices >= 0
+    K = indices.shape[1]
+    first = valid.to(torch.int8).argmax(1)
+    end = K - valid.flip(1).to(torch.int8).argmax(1)
+    return torch.stack([first, end], 1).masked_fill_(~valid.any(1, keepdim=True), 0).to(torch.int32)
+
+
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
                lse: torch.Tensor | None = None, splits: int | None = None, block_h: int | None = None,
                block_k: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-               convert_fp8: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               convert_fp8: bool | None = None, ranged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
     one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
     GLM-5, see kv_rows.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
@@ -319,7 +334,8 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     kernel combines the splits by their log-sum-exp. FP8 rows are converted in the kernel where they are read;
     when the queries read at least as many rows as there are (prefill chunks; convert_fp8 None), every row is
     converted to bf16 once instead (the same values) and the bf16 kernel reads each row once for 64 heads. The
-    block shapes default to the fastest of bench_dsa's sweep on an H200."""
+    block shapes default to the fastest of bench_dsa's sweep on an H200. ranged: each row's valid indices lie in
+    one run (the tiered cache's key slabs: rows sorted, -1 outside the slab), and only that run is read."""
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
     fp8 = latent.dtype == torch.uint8
@@ -344,11 +360,11 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     lse = torch.empty(S, H, dtype=torch.float32, device=q_lat.device) if lse is None else lse
     part_out = torch.empty(splits, S, H, L, dtype=torch.float32, device=q_lat.device) if splits > 1 else out[None]
     part_lse = torch.empty(splits, S, H, dtype=torch.float32, device=q_lat.device) if splits > 1 else lse[None]
+    span = valid_span(indices) if ranged else indices  # (not read unless ranged)
     _sparse_mla_kernel[(S, head_blocks, splits)](
-        q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(),
+        q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(), span,
         part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, RB=rope_block(R), G=G, BLOCK_H=block_h,
-        BLOCK_K=block_k,
-        CAST=cast, FP8=fp8, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=block_k, CAST=cast, FP8=fp8, RANGED=ranged, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits), L=L)
     return out, lse

@@ -8,6 +8,7 @@ from glm5_offload.formats.kv_rows import dequantize_latent, quantize_keys, quant
 from glm5_offload.kernels import INTERPRET, dsa_triton
 from glm5_offload.loader import load_model
 from glm5_offload.model import indexer_scores, sparse_mla, topk_indices
+from glm5_offload.model.mla import merge_attention
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.kv_cache import new_cache
 
@@ -57,7 +58,7 @@ def check_mla(S, H, L, R, T, K, dtype, seed, splits=None, fp8=False):
     out = torch.full((S, H, L), float("nan"), device=DEVICE)
     lse = torch.full((S, H), float("nan"), device=DEVICE)
     o, lse = dsa_triton.sparse_mla(q_lat, q_pe, rows, indices, L, 0.07, out=out, lse=lse, splits=splits)
-    ref = sparse_mla(q_lat, q_pe, rows, indices, L, 0.07)
+    ref = sparse_mla(q_lat, q_pe, rows, indices, L, 0.07)[0]
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     assert rel_err(o, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
     scores = torch.einsum("shl,tl->sht", q_lat.float(), latent[:, :L].float()) + torch.einsum(
@@ -73,6 +74,46 @@ def check_mla(S, H, L, R, T, K, dtype, seed, splits=None, fp8=False):
 @pytest.mark.parametrize("splits", [1, 3])  # 3: rows split over programs, combined by log-sum-exp; row 0's last
 def test_sparse_mla(dtype, S, H, K, splits):  # split holds only -1 padding
     check_mla(S, H, 64, 16, 300, K, dtype, seed=S + H + K, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_sparse_mla_over_one_run_of_each_row(splits):
+    """A key slab's indices (the tiered cache's prefill): each row sorted, valid only in one run, the rest -1;
+    ranged reads only that run. Row 3 has no row in the slab: o 0, lse -inf, as the reference gives."""
+    g = torch.Generator().manual_seed(21)
+    S, H, L, R, T, K = 4, 16, 64, 16, 300, 130
+    q_lat, q_pe = torch.randn(S, H, L, generator=g).to(DEVICE), torch.randn(S, H, R, generator=g).to(DEVICE)
+    latent = torch.randn(T, L + R, generator=g).to(DEVICE)
+    indices = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(S)]).sort(1).values
+    runs = [(0, K), (5, 40), (97, 98), (60, 60)]
+    for r, (a, b) in enumerate(runs):
+        indices[r, :a], indices[r, b:] = -1, -1
+    indices = indices.to(DEVICE)
+    assert dsa_triton.valid_span(indices).tolist() == [[0, K], [5, 40], [97, 98], [0, 0]]
+    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.07, splits=splits, ranged=True)
+    ref_o, ref_lse = sparse_mla(q_lat, q_pe, latent, indices, L, 0.07)
+    assert rel_err(o, ref_o) < 1e-5 and rel_err(lse[:3], ref_lse[:3]) < 1e-5
+    assert (o[3] == 0).all() and (lse[3] == float("-inf")).all() and (ref_lse[3] == float("-inf")).all()
+
+
+def test_valid_span_covers_valid_indices_anywhere_in_a_row():
+    indices = torch.tensor([[-1, 4, -1, 2, -1], [3, 1, 0, 2, 7], [-1] * 5])
+    assert dsa_triton.valid_span(indices).tolist() == [[1, 4], [0, 5], [0, 0]]
+
+
+def test_attention_merged_over_two_row_sets_equals_attention_over_all():
+    """merge_attention: the tiered cache's key slabs, each attended alone, add up to attention over every row."""
+    g = torch.Generator().manual_seed(22)
+    S, H, L, R, T, K = 3, 8, 64, 16, 200, 50
+    q_lat, q_pe = torch.randn(S, H, L, generator=g), torch.randn(S, H, R, generator=g)
+    latent = torch.randn(T, L + R, generator=g)
+    indices = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(S)])
+    low = torch.where(indices < 100, indices, -1)
+    low[2] = -1  # row 2 has nothing in the first set
+    o, lse = sparse_mla(q_lat, q_pe, latent, low, L, 0.1)
+    merge_attention(o, lse, *sparse_mla(q_lat, q_pe, latent, torch.where(low < 0, indices, -1), L, 0.1))
+    want_o, want_lse = sparse_mla(q_lat, q_pe, latent, indices, L, 0.1)
+    assert rel_err(o, want_o) < 1e-6 and rel_err(lse, want_lse) < 1e-6
 
 
 @pytest.mark.parametrize("L, splits", [(256, 1), (64, 3)])  # 256: two scales per row; 64: one

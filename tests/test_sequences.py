@@ -57,9 +57,9 @@ def rule_files(tmp_path) -> list[Path]:
     shipped = [resolve_rules_path(name) for name in ("glm5", "glm5-reference", "glm5-gpu", "glm5-cpu")]
     ring = tmp_path / "glm5-ring256.yaml"  # the README's advice for 80 GB+ GPUs: a whole layer in the ring
     ring.write_text(shipped[0].read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256"))
-    pieces = tmp_path / "glm5-pieces.yaml"  # a staging buffer smaller than the prompt: prefill reads it in pieces
-    pieces.write_text(shipped[0].read_text().replace("window: 512}", "window: 512, prefill_rows: 256}"))
-    return shipped + [ring, pieces]
+    slabs = tmp_path / "glm5-slabs.yaml"  # a staging buffer smaller than the prompt: prefill reads the rows in slabs
+    slabs.write_text(shipped[0].read_text().replace("window: 512}", "window: 512, prefill_rows: 256}"))
+    return shipped + [ring, slabs]
 
 
 def model_layer(model, experts) -> str:
@@ -81,7 +81,7 @@ def turns(engine: Engine) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("index", range(6), ids=["glm5", "glm5-reference", "glm5-gpu", "glm5-cpu", "glm5-ring256",
-                                                  "glm5-pieces"])
+                                                  "glm5-slabs"])
 def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index):
     rules = load_rules(rule_files(tmp_path)[index])
     model = load_model(checkpoint, rules=rules, dtype=torch.float32, max_seq_len=4096)
@@ -97,5 +97,5 @@ def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index)
         assert staged == [], staged  # nothing staged that nobody uses
     assert results[True] == results[False]
     assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
-    if Path(rules.path).name.startswith("glm5.") or "-ring" in rules.path or "-pieces" in rules.path:
+    if Path(rules.path).name.startswith("glm5.") or "-ring" in rules.path or "-slabs" in rules.path:
         assert Engine(model, max_seq_len=4096).use_graphs  # the fast placement decodes from graphs

@@ -148,13 +148,13 @@ def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype)
 
 
 @pytest.mark.parametrize("device", ON)
-def test_a_staging_buffer_smaller_than_the_context_reads_in_pieces(hf_checkpoint, tmp_path, device):
-    """prefill_rows 16 for a 40-token prompt chunk and a 60-token one: each chunk's queries go in pieces whose
-    selected rows fit the 16-row staging buffer, gathered from host memory; the logits equal the untiered cache's,
-    bit for bit. The hot buffer (4096 rows) holds more than the context and the window is 4 tokens: a chunk longer
-    than the window must not read the hot buffer (its own earlier rows are only in host memory: they read as
-    missing, NaN, before fits_fetch asked for it)."""
-    from glm5_offload.runtime import kv_cache
+def test_a_staging_buffer_smaller_than_the_context_reads_in_slabs(hf_checkpoint, tmp_path, device, monkeypatch):
+    """prefill_rows 16 for a 40-token prompt chunk and a 60-token one: each chunk reads the rows so far in slabs of
+    16 positions copied in turn from host memory, attention merged over them by log-sum-exp; the logits equal the
+    untiered cache's up to fp32 rounding (the sums go in another order). The hot buffer (4096 rows) holds more than
+    the context and the window is 4 tokens: a chunk longer than the window must not read the hot buffer (its own
+    earlier rows are only in host memory: they read as missing, NaN, before fits_fetch asked for it)."""
+    from glm5_offload.runtime.kv_cache import KVCache
 
     path, _ = hf_checkpoint("glm_moe_dsa")
     op = "attention.dsa_triton" if device == "cuda" else "attention.reference"
@@ -163,25 +163,25 @@ def test_a_staging_buffer_smaller_than_the_context_reads_in_pieces(hf_checkpoint
                         rules=offload_rules(tmp_path, device, 4096 * 68, 4, "fp8", op, prefill_rows=16))
     prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(5))
     more = torch.randint(4, 320, (60,), generator=torch.Generator().manual_seed(6))
-    pieces = []
-    original = kv_cache._query_pieces
 
-    def counted(indices, budget):
-        for piece in original(indices, budget):
-            assert piece[2].numel() <= budget
-            pieces.append(piece[:2])
-            yield piece
+    def run(model):
+        cache = new_cache(model, 128)
+        return torch.cat([model(prompt.to(model.device), cache), model(more.to(model.device), cache)]).cpu()
 
-    kv_cache._query_pieces = counted
-    try:
-        outs = []
-        for model in (plain, tiered):
-            cache = new_cache(model, 128)
-            outs.append(torch.cat([model(prompt.to(model.device), cache), model(more.to(model.device), cache)]).cpu())
-    finally:
-        kv_cache._query_pieces = original
-    assert torch.equal(outs[0], outs[1])
-    assert len(pieces) > 2 and all(b > a for a, b in pieces)  # the chunks went in several pieces
+    want = run(plain)
+    slabs = []
+    original = KVCache.row_slabs
+
+    def counted(self, layer, indices, positions, end):
+        for rows, local, one_run in original(self, layer, indices, positions, end):
+            assert rows.shape[0] <= 16 and local.shape == indices.shape and local.max() < rows.shape[0]
+            slabs.append((end, one_run))
+            yield rows, local, one_run
+
+    monkeypatch.setattr(KVCache, "row_slabs", counted)
+    torch.testing.assert_close(run(tiered), want, rtol=1e-4, atol=1e-4)
+    layers = len(tiered.model.layers)
+    assert sorted(slabs) == [(40, True)] * 3 * layers + [(100, True)] * 7 * layers  # 16 + 16 + 8; 6 x 16 + 4
 
 
 def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):

@@ -118,13 +118,15 @@ def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
     """Absorbed-form sparse MLA over the latent rows each query selected.
 
     q_lat [S, H, L] (q_nope through W_UK), q_pe [S, H, R], latent [T, L+R] = [c | k_pe],
-    indices [S, K] (int64, -1 = none) -> o [S, H, L] (the softmax-weighted sum of c), fp32.
+    indices [S, K] (int64, -1 = none) -> (o [S, H, L] (the softmax-weighted sum of c), lse [S, H] (the log-sum-exp
+    of the scaled scores; -inf and o 0 for a row with no valid index)), fp32.
     latent may be in the FP8 form (uint8 rows, kv_rows.quantize_latent): rows are dequantised.
     The result depends only on the selected rows' values in index order, not on where they sit in latent.
     """
     S, H = q_lat.shape[:2]
     K = indices.shape[1]
     out = torch.empty(S, H, kv_lora_rank, dtype=torch.float32, device=latent.device)
+    lse = torch.empty(S, H, dtype=torch.float32, device=latent.device)
     chunk = max(1, SCORE_BUDGET // (K * max(H, latent.shape[1])))
     for s0 in range(0, S, chunk):
         s1 = min(S, s0 + chunk)
@@ -136,8 +138,19 @@ def sparse_mla(q_lat, q_pe, latent, indices, kv_lora_rank: int, scale: float):
         scores = (torch.einsum("shl,skl->shk", q_lat[s0:s1].float(), c)
                   + torch.einsum("shr,skr->shk", q_pe[s0:s1].float(), k_pe))
         scores = (scores * scale).masked_fill((idx < 0)[:, None, :], float("-inf"))
-        out[s0:s1] = torch.einsum("shk,skl->shl", scores.softmax(dim=-1), c)
-    return out
+        lse[s0:s1] = scores.logsumexp(dim=-1)
+        probs = scores.softmax(dim=-1).masked_fill_(lse[s0:s1, :, None] == float("-inf"), 0.0)  # no row: o 0
+        out[s0:s1] = torch.einsum("shk,skl->shl", probs, c)
+    return out, lse
+
+
+def merge_attention(o, lse, o2, lse2):
+    """o, lse (as sparse_mla returns) become the attention over both row sets, given o2, lse2 over the others:
+    each part weighted by its share of the summed exponentials. In place; o2 is overwritten."""
+    total = torch.logaddexp(lse, lse2)
+    safe = total.masked_fill(total == float("-inf"), 0.0)  # no row in either: both weights 0, o stays 0
+    o.mul_((lse - safe).exp_()[..., None]).add_(o2.mul_((lse2 - safe).exp_()[..., None]))
+    lse.copy_(total)
 
 
 class Attention(nn.Module):
@@ -162,8 +175,9 @@ class Attention(nn.Module):
         self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
 
-    def attend(self, q_lat, q_pe, latent, indices):
-        """Sparse MLA over the selected latent rows -> o [S, H, kv_lora_rank] fp32 (plain torch here)."""
+    def attend(self, q_lat, q_pe, latent, indices, one_run: bool = False):
+        """Sparse MLA over the selected latent rows -> (o [S, H, kv_lora_rank], lse [S, H]) fp32 (plain torch
+        here). one_run: each row's valid indices lie in one run (a kernel may read only that)."""
         return sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
 
     def forward(self, x, cos, sin, cache, positions, end: int, shared_indices):
@@ -190,8 +204,13 @@ class Attention(nn.Module):
             indices = shared_indices
         w = self.kv_b_weight(x)
         q_lat = self.absorb_query(q_nope, w)
-        o = torch.cat([self.attend(q_lat[a:b], q_pe[a:b], latent, rows)
-                       for a, b, latent, rows in cache.row_pieces(self.layer, indices.to(x.device), positions, end)])
+        o = lse = None
+        for latent, rows, one_run in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
+            part = self.attend(q_lat, q_pe, latent, rows, one_run)
+            if o is None:
+                o, lse = part
+            else:  # a key slab of the cache after the first: merged by log-sum-exp
+                merge_attention(o, lse, *part)
         out = self.absorb_output(o, w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
 

@@ -58,8 +58,8 @@ class TritonPooledIndexer(PooledIndexer):
 
 
 class TritonAttention(Attention):
-    def attend(self, q_lat, q_pe, latent, indices):
-        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)[0]
+    def attend(self, q_lat, q_pe, latent, indices, one_run: bool = False):
+        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, ranged=one_run)
 
     def kv_b_weight(self, x):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it

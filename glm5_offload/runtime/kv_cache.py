@@ -16,7 +16,6 @@ import torch
 from ..config import ModelConfig
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
-from ..kernels.gather_rows import gather_rows
 from ..model import KDA, CausalLM, KDAState, LatentLayout, PooledKeys
 from .tiered_kv import TieredLatent
 
@@ -50,9 +49,6 @@ class KVCache:
                                     f"{width * row_dtype.itemsize} B: it needs at least window {layout.window} "
                                     f"+ 2 x index_topk {config.index_topk}")
                 self.latent.append(TieredLatent(max_seq_len, width, row_dtype, device, hot_rows, layout.window))
-                if layout.prefill_rows < config.index_topk:
-                    raise Glm5Error(f"prefill_rows {layout.prefill_rows} must hold one query's index_topk "
-                                    f"{config.index_topk} rows")
                 staging_rows[device, row_dtype] = max((width, layout.prefill_rows),
                                                       staging_rows.get((device, row_dtype), (0, 0)))
             else:
@@ -73,6 +69,7 @@ class KVCache:
             else:
                 self.index_keys[i] = torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype)
         self.prefetched: dict[int, torch.cuda.Event | None] = {}  # offloaded layer -> its pending prefetch
+        self.sorted_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, sorted): row_slabs' last
         self.side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.kda = {i: KDAState(config, device, dtype) for i, device in (kda_devices or {}).items()}
         self.resume_point: tuple[int, dict[str, torch.Tensor]] | None = None  # (length, copies of the states)
@@ -149,36 +146,43 @@ class KVCache:
         else:
             rows_store.index_copy_(0, positions, rows.to(rows_store.dtype))
 
-    def row_pieces(self, layer: int, indices: torch.Tensor, positions: torch.Tensor, end: int):
-        """The latent rows attention reads for the queries at positions [S] (all below end), in pieces of queries:
-        (first query, last query + 1, rows, the pieces' indices [b - a, K] into rows).
+    def row_slabs(self, layer: int, indices: torch.Tensor, positions: torch.Tensor, end: int):
+        """The latent rows attention reads for the queries at positions [S] (all below end), in key slabs whose
+        attentions are merged by log-sum-exp: (rows, indices [S, K] into them (-1 = none), whether each query's
+        valid indices lie in one run).
 
-        One piece, the layer's own rows, unless the layer is offloaded: decode reads the hot buffer (misses fetched
+        One slab, the layer's own rows, unless the layer is offloaded: decode reads the hot buffer (misses fetched
         into it); a prefill chunk reads its rows through the staging buffer, which holds prefill_rows rows: every
-        row so far in one copy while they fit, else, for pieces of the chunk's queries, the rows each piece selected
-        (gathered from host memory, the indices mapped to them in order: attention sums the same rows in the same
-        order)."""
+        row so far in one copy while they fit, else slabs of that many consecutive positions copied in turn from
+        host memory (at the copy engine's speed, whatever the queries selected), the indices sorted so that each
+        slab's lie in one run."""
         rows_store = self.latent[layer]
-        S = indices.shape[0]
         if not isinstance(rows_store, TieredLatent):
-            yield 0, S, rows_store[:end], indices
+            yield rows_store[:end], indices, False
             return
         if rows_store.fits_fetch(indices):  # decode: rows from the hot buffer, misses fetched into it
             if layer in self.prefetched:
                 del self.prefetched[layer]
             else:
                 rows_store.fetch(indices, positions[0], positions[-1] + 1 - rows_store.window)
-            yield 0, S, rows_store.hot, rows_store.slot_of[indices]
+            yield rows_store.hot, rows_store.slot_of[indices], False
             return
         staging = self.staging[rows_store.device, rows_store.host.dtype]
         if end <= staging.shape[0]:
             staging[:end].copy_(rows_store.host[:end], non_blocking=True)
-            yield 0, S, staging[:end], indices
+            yield staging[:end], indices, False
             return
-        for a, b, selected in _query_pieces(indices, staging.shape[0]):
-            gather_rows(rows_store.host, selected, staging, torch.arange(selected.numel(), device=staging.device))
-            local = torch.searchsorted(selected, indices[a:b].clamp(min=0))
-            yield a, b, staging[: selected.numel()], torch.where(indices[a:b] >= 0, local, -1)
+        ordered = self._sorted(indices)
+        for first in range(0, end, staging.shape[0]):
+            n = min(staging.shape[0], end - first)
+            staging[:n].copy_(rows_store.host[first : first + n], non_blocking=True)  # after the last slab's reads
+            yield staging[:n], torch.where((ordered >= first) & (ordered < first + n), ordered - first, -1), True
+
+    def _sorted(self, indices: torch.Tensor) -> torch.Tensor:
+        """indices sorted along each row; the last one kept, since IndexShare's shared layers pass the same tensor."""
+        if self.sorted_indices is None or self.sorted_indices[0] is not indices:
+            self.sorted_indices = (indices, indices.sort(dim=1).values)
+        return self.sorted_indices[1]
 
     def prefetch(self, layers: list[int], indices: torch.Tensor, positions: torch.Tensor):
         """IndexShare: shared layers reuse a full layer's indices, so their misses can be fetched now, on a side
@@ -214,19 +218,3 @@ class KVCache:
         hits = sum(int(t.hits) for t in tiers)
         misses = sum(int(t.misses) for t in tiers)
         return {"hits": hits, "misses": misses, "fetched_bytes": sum(int(t.misses) * t.row_bytes() for t in tiers)}
-
-
-def _query_pieces(indices: torch.Tensor, budget: int):
-    """Consecutive pieces [a, b) of the queries of indices [S, K] (-1 = none) whose selected rows number at most
-    budget (>= K), each with its selected rows, sorted: (a, b, rows)."""
-    a, S = 0, indices.shape[0]
-    while a < S:
-        b = S
-        while True:
-            chosen = indices[a:b]
-            rows = torch.unique(chosen[chosen >= 0])  # sorted
-            if rows.numel() <= budget or b - a == 1:
-                break
-            b = a + (b - a) // 2
-        yield a, b, rows
-        a = b
