@@ -311,21 +311,11 @@ def fp8_latent_to_bf16(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> 
     return out
 
 
-def valid_span(indices: torch.Tensor) -> torch.Tensor:
-    """indices [S, K] (-1 = none) -> [S, 2] int32: from each row's first valid entry to one past its last ([0, 0]
-    for a row with none)."""
-    valid = indices >= 0
-    K = indices.shape[1]
-    first = valid.to(torch.int8).argmax(1)
-    end = K - valid.flip(1).to(torch.int8).argmax(1)
-    return torch.stack([first, end], 1).masked_fill_(~valid.any(1, keepdim=True), 0).to(torch.int32)
-
-
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, indices: torch.Tensor,
                kv_lora_rank: int, scale: float, out: torch.Tensor | None = None,
                lse: torch.Tensor | None = None, splits: int | None = None, block_h: int | None = None,
                block_k: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-               convert_fp8: bool | None = None, ranged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               convert_fp8: bool | None = None, span: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-form sparse MLA: q_lat [S, H, L], q_pe [S, H, R], indices [S, K] (-1 = none; each row at least
     one valid), latent [T, L+R] = [c | k_pe] (bf16/fp32) or its FP8 rows [T, L + 4L/128 + 2R] uint8 (656 B for
     GLM-5, see kv_rows.quantize_latent) -> (o [S, H, L] fp32, lse [S, H] fp32).
@@ -334,8 +324,9 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     kernel combines the splits by their log-sum-exp. FP8 rows are converted in the kernel where they are read;
     when the queries read at least as many rows as there are (prefill chunks; convert_fp8 None), every row is
     converted to bf16 once instead (the same values) and the bf16 kernel reads each row once for 64 heads. The
-    block shapes default to the fastest of bench_dsa's sweep on an H200. ranged: each row's valid indices lie in
-    one run (the tiered cache's key slabs: rows sorted, -1 outside the slab), and only that run is read."""
+    block shapes default to the fastest of bench_dsa's sweep on an H200. span [S, 2] int32: the run of each row of
+    indices that holds its valid ones (the tiered cache's key slabs: rows sorted, -1 outside the slab); only that
+    run is read."""
     S, H, L = q_lat.shape
     R, K = q_pe.shape[-1], indices.shape[1]
     fp8 = latent.dtype == torch.uint8
@@ -360,11 +351,11 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
     lse = torch.empty(S, H, dtype=torch.float32, device=q_lat.device) if lse is None else lse
     part_out = torch.empty(splits, S, H, L, dtype=torch.float32, device=q_lat.device) if splits > 1 else out[None]
     part_lse = torch.empty(splits, S, H, dtype=torch.float32, device=q_lat.device) if splits > 1 else lse[None]
-    span = valid_span(indices) if ranged else indices  # (not read unless ranged)
     _sparse_mla_kernel[(S, head_blocks, splits)](
-        q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(), span,
+        q_lat.to(dtype).contiguous(), q_pe.to(dtype).contiguous(), latent.contiguous(), indices.contiguous(),
+        indices if span is None else span.contiguous(),
         part_out, part_lse, S, K, H, rows_per_split, scale, L=L, R=R, RB=rope_block(R), G=G, BLOCK_H=block_h,
-        BLOCK_K=block_k, CAST=cast, FP8=fp8, RANGED=ranged, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_K=block_k, CAST=cast, FP8=fp8, RANGED=span is not None, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits), L=L)
     return out, lse

@@ -161,3 +161,59 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     _write_kernel[grid](state, scores, counts, out, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
                         PROGRAMS=triton.next_power_of_2(programs), num_warps=8)
     return out
+
+
+# Many wide rows (a prefill chunk's indexer scores): one read of each row. A strided sample of SAMPLE scores a row
+# gives a threshold that about 4k scores pass (the sample's 4k/T quantile); one pass keeps the scores at or above it
+# as candidates (with their positions, in 64-bit keys ordered as (score, lower position first)), and torch.topk of
+# the candidates is the row's top-k whenever at least k and at most CAP passed: everything left out scores below
+# everything kept. A row where the sample misled (too few or too many passed) is redone by the radix select.
+SAMPLE = 4096
+CAP = 16384  # candidates kept per row: 4x the 4k expected at k 2048 (a miss needs a sample 5 sigma off)
+SAMPLED_WIDTH = 4 * CAP  # rows at least this wide take the sampled path (narrower ones: torch.topk is quick)
+_NEG_INF_KEY = 0x007FFFFF  # _keys(-inf)
+
+
+@triton.jit
+def _candidates_kernel(scores_ptr, thr_ptr, count_ptr, cand_ptr, T, per_program, CAP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # scores [rows, T] fp32, thr [rows] fp32; count [rows] int32 (zeroed) counts the scores at or above thr (and
+    # above -inf), the first CAP of which go to cand [rows, CAP] int64 as (key ^ 2^31 as int32) << 32 | (2^32-1 - t)
+    row, p = tl.program_id(0), tl.program_id(1)
+    thr = tl.maximum(_keys(tl.load(thr_ptr + row)), 0x00800000)  # -inf is never a candidate
+    start = p * per_program
+    end = tl.minimum(start + per_program, T)
+    for first in range(start, end, BLOCK):
+        t = first + tl.arange(0, BLOCK)
+        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=t < end, other=float("-inf")))
+        take = key >= thr
+        base = tl.atomic_add(count_ptr + row, tl.sum(take.to(tl.int32)))
+        slot = base + tl.cumsum(take.to(tl.int32), 0) - 1
+        signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+        composite = (signed << 32) | (4294967295 - t.to(tl.int64))
+        tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, composite, mask=take & (slot < CAP))
+
+
+def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_indices' set for rows of scores [S, T] fp32 at least SAMPLED_WIDTH wide (and k <= CAP // 2): one read
+    of each row, see above; -1 where the score is -inf; ties at the k-th score taken lowest position first. A row
+    the sample misled is redone by topk_indices (checked on the host: one wait for the GPU per call). The order:
+    by score, or topk_indices' in a row redone."""
+    S, T = scores.shape
+    assert T >= SAMPLED_WIDTH and 2 * k <= CAP, (T, k)
+    scores = scores.float().contiguous()
+    sample = scores[:, :: T // SAMPLE]
+    rank = min(sample.shape[1], -(-4 * k * sample.shape[1] // T))
+    thr = sample.topk(rank, dim=1).values[:, -1].contiguous()  # -inf: every finite score is a candidate
+    count = torch.zeros(S, dtype=torch.int32, device=scores.device)
+    cand = torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=scores.device)
+    programs = max(1, min(MAX_PROGRAMS, programs_wanted(scores.device) // S, triton.cdiv(T, BLOCK)))
+    per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
+    _candidates_kernel[(S, triton.cdiv(T, per_program))](scores, thr, count, cand, T, per_program, CAP=CAP,
+                                                        BLOCK=BLOCK, num_warps=8)
+    top = cand.topk(k, dim=1).values
+    out = (0xFFFFFFFF - (top & 0xFFFFFFFF)).masked_fill_((top >> 32) < _NEG_INF_KEY + 1 - (1 << 31), -1)
+    missed = ((count > CAP) | ((count < k) & (thr != float("-inf")))).nonzero()[:, 0]
+    if missed.numel():
+        out[missed] = topk_indices(scores[missed], k)
+    return out

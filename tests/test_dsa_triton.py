@@ -79,26 +79,21 @@ def test_sparse_mla(dtype, S, H, K, splits):  # split holds only -1 padding
 @pytest.mark.parametrize("splits", [1, 2])
 def test_sparse_mla_over_one_run_of_each_row(splits):
     """A key slab's indices (the tiered cache's prefill): each row sorted, valid only in one run, the rest -1;
-    ranged reads only that run. Row 3 has no row in the slab: o 0, lse -inf, as the reference gives."""
+    given the runs, only they are read. Row 3 has no row in the slab: o 0, lse -inf, as the reference gives."""
     g = torch.Generator().manual_seed(21)
     S, H, L, R, T, K = 4, 16, 64, 16, 300, 130
     q_lat, q_pe = torch.randn(S, H, L, generator=g).to(DEVICE), torch.randn(S, H, R, generator=g).to(DEVICE)
     latent = torch.randn(T, L + R, generator=g).to(DEVICE)
     indices = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(S)]).sort(1).values
-    runs = [(0, K), (5, 40), (97, 98), (60, 60)]
-    for r, (a, b) in enumerate(runs):
+    span = torch.tensor([(0, K), (5, 40), (97, 98), (60, 60)], dtype=torch.int32)
+    poisoned = indices.clone()  # outside the runs: valid rows, not to be read
+    for r, (a, b) in enumerate(span.tolist()):
         indices[r, :a], indices[r, b:] = -1, -1
-    indices = indices.to(DEVICE)
-    assert dsa_triton.valid_span(indices).tolist() == [[0, K], [5, 40], [97, 98], [0, 0]]
-    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, L, 0.07, splits=splits, ranged=True)
-    ref_o, ref_lse = sparse_mla(q_lat, q_pe, latent, indices, L, 0.07)
+    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, poisoned.to(DEVICE), L, 0.07, splits=splits,
+                                   span=span.to(DEVICE))
+    ref_o, ref_lse = sparse_mla(q_lat, q_pe, latent, indices.to(DEVICE), L, 0.07)
     assert rel_err(o, ref_o) < 1e-5 and rel_err(lse[:3], ref_lse[:3]) < 1e-5
     assert (o[3] == 0).all() and (lse[3] == float("-inf")).all() and (ref_lse[3] == float("-inf")).all()
-
-
-def test_valid_span_covers_valid_indices_anywhere_in_a_row():
-    indices = torch.tensor([[-1, 4, -1, 2, -1], [3, 1, 0, 2, 7], [-1] * 5])
-    assert dsa_triton.valid_span(indices).tolist() == [[1, 4], [0, 5], [0, 0]]
 
 
 def test_attention_merged_over_two_row_sets_equals_attention_over_all():

@@ -72,3 +72,52 @@ def test_a_million_wide_row_on_the_gpu(S):
         replayed = topk_triton.topk_indices(scores, 2048)
     graph.replay()
     assert torch.equal(replayed, got)
+
+
+def check_sampled(scores, k):
+    got = topk_triton.topk_sampled(scores, k)
+    ranked = scores.cpu().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN first
+    want = expected(ranked, k).to(scores.device)  # torch.topk's set, ties taken lowest position first
+    assert torch.equal(got.sort(1).values, want.sort(1).values)  # (and as many -1s)
+
+
+def test_sampled_topk_equals_torch(monkeypatch):
+    """Wide rows (a prefill chunk's indexer scores): random, causal (a row with fewer valid scores than k), many
+    ties at the k-th value, negative, one NaN; none needs the radix select."""
+    monkeypatch.setattr(topk_triton, "topk_indices", lambda *a: pytest.fail("the sample misled a row"))
+    T, k = topk_triton.SAMPLED_WIDTH + 1234, 2048
+    scores = random_scores(4, T, seed=7)
+    scores[2, 1500:] = float("-inf")
+    scores[3, 17] = float("nan")
+    check_sampled(scores.to(DEVICE), k)
+
+
+def test_rows_the_sample_misleads_are_redone(monkeypatch):
+    """Row 0: equal scores but 3000 off the sample's stride (every score passes the threshold: more than CAP);
+    row 1: its highest scores exactly on the stride (too few pass); row 2 ordinary."""
+    T, k = topk_triton.SAMPLED_WIDTH + 1234, 2048
+    g = torch.Generator().manual_seed(8)
+    scores = torch.randn(3, T, generator=g)
+    stride = T // topk_triton.SAMPLE
+    off_grid = torch.randperm(T, generator=g)[:3000]
+    scores[0] = 0.0
+    scores[0, off_grid[off_grid % stride != 0]] = 1.0
+    scores[1, ::stride] += 10.0
+    redone = []
+    original = topk_triton.topk_indices
+    monkeypatch.setattr(topk_triton, "topk_indices", lambda s, k: redone.append(s.shape[0]) or original(s, k))
+    check_sampled(scores.to(DEVICE), k)
+    assert redone == [2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sampled_topk_of_a_prefill_call_on_the_gpu(monkeypatch):
+    """Real sizes: 128 rows of 2^20 (one indexer call of a 1M prefill), causal: row r valid up to a position
+    spread over the context."""
+    monkeypatch.setattr(topk_triton, "topk_indices", lambda *a: pytest.fail("the sample misled a row"))
+    T = 1 << 20
+    scores = torch.randn(128, T, device="cuda") * torch.rand(128, 1, device="cuda") * 100
+    valid = torch.linspace(1000, T, 128, device="cuda").long()
+    scores.masked_fill_(torch.arange(T, device="cuda")[None, :] >= valid[:, None], float("-inf"))
+    check_sampled(scores, 2048)

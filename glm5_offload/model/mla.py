@@ -175,9 +175,10 @@ class Attention(nn.Module):
         self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
 
-    def attend(self, q_lat, q_pe, latent, indices, one_run: bool = False):
+    def attend(self, q_lat, q_pe, latent, indices, span=None):
         """Sparse MLA over the selected latent rows -> (o [S, H, kv_lora_rank], lse [S, H]) fp32 (plain torch
-        here). one_run: each row's valid indices lie in one run (a kernel may read only that)."""
+        here). span [S, 2] int32, if given: the run of each row of indices that holds its valid ones (a kernel may
+        read only that)."""
         return sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
 
     def forward(self, x, cos, sin, cache, positions, end: int, shared_indices):
@@ -205,8 +206,8 @@ class Attention(nn.Module):
         w = self.kv_b_weight(x)
         q_lat = self.absorb_query(q_nope, w)
         o = lse = None
-        for latent, rows, one_run in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
-            part = self.attend(q_lat, q_pe, latent, rows, one_run)
+        for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
+            part = self.attend(q_lat, q_pe, latent, rows, runs)
             if o is None:
                 o, lse = part
             else:  # a key slab of the cache after the first: merged by log-sum-exp

@@ -7,6 +7,8 @@ rows and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 i
 by one kernel straight into the cache rows.
 """
 
+import torch
+
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton, mla_absorb, topk_triton
@@ -37,9 +39,12 @@ class TritonIndexer(Indexer):
                                       rows=positions)
 
     def select(self, scores):
-        """Decode rows (up to 4) by the radix select; more at once by torch.topk, faster there (bench/RESULTS.md)."""
+        """Decode rows (up to 4) by the radix select; more at once (a prefill's) by one sampled pass over rows wide
+        enough, else torch.topk, faster there than the radix select (bench/RESULTS.md)."""
         if scores.shape[0] <= RADIX_ROWS:
             return topk_triton.topk_indices(scores, self.topk)
+        if scores.shape[1] >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP:
+            return topk_triton.topk_sampled(scores, self.topk)
         return super().select(scores)
 
     def query_chunk(self, n_keys: int) -> int:
@@ -58,8 +63,8 @@ class TritonPooledIndexer(PooledIndexer):
 
 
 class TritonAttention(Attention):
-    def attend(self, q_lat, q_pe, latent, indices, one_run: bool = False):
-        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, ranged=one_run)
+    def attend(self, q_lat, q_pe, latent, indices, span=None):
+        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span)
 
     def kv_b_weight(self, x):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it
@@ -71,14 +76,17 @@ class TritonAttention(Attention):
             return (kv_b.weight, kv_b.scales, kv_b.compute_dtype) if kv_b.fmt == "fp8" else super().kv_b_weight(x)
         return kv_b.weight, None, kv_b.weight.dtype
 
+    # A prefill chunk's products (dense W) go in W's, the compute dtype, on tensor cores for bf16: sparse_mla reads its
+    # queries in bf16 then anyway, and the output is cast to it (the reference's fp32 einsums: ~30 TFLOP a layer of
+    # a 1M prefill at the fp32 rate)
     def absorb_query(self, q_nope, w):
         if not isinstance(w, tuple):
-            return super().absorb_query(q_nope, w)
+            return torch.einsum("shd,hdl->shl", q_nope.to(w.dtype), w[:, : self.nope])
         return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim)
 
     def absorb_output(self, o, w):
         if not isinstance(w, tuple):
-            return super().absorb_output(o, w)
+            return torch.einsum("shl,hvl->shv", o.to(w.dtype), w[:, self.nope :])
         return mla_absorb.absorb_output(o, *w, self.nope, self.nope + self.v_dim)
 
 

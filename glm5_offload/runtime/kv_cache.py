@@ -148,8 +148,8 @@ class KVCache:
 
     def row_slabs(self, layer: int, indices: torch.Tensor, positions: torch.Tensor, end: int):
         """The latent rows attention reads for the queries at positions [S] (all below end), in key slabs whose
-        attentions are merged by log-sum-exp: (rows, indices [S, K] into them (-1 = none), whether each query's
-        valid indices lie in one run).
+        attentions are merged by log-sum-exp: (rows, indices [S, K] into them (-1 = none), None or the span [S, 2]
+        int32 of each row that holds its valid indices).
 
         One slab, the layer's own rows, unless the layer is offloaded: decode reads the hot buffer (misses fetched
         into it); a prefill chunk reads its rows through the staging buffer, which holds prefill_rows rows: every
@@ -158,25 +158,27 @@ class KVCache:
         slab's lie in one run."""
         rows_store = self.latent[layer]
         if not isinstance(rows_store, TieredLatent):
-            yield rows_store[:end], indices, False
+            yield rows_store[:end], indices, None
             return
         if rows_store.fits_fetch(indices):  # decode: rows from the hot buffer, misses fetched into it
             if layer in self.prefetched:
                 del self.prefetched[layer]
             else:
                 rows_store.fetch(indices, positions[0], positions[-1] + 1 - rows_store.window)
-            yield rows_store.hot, rows_store.slot_of[indices], False
+            yield rows_store.hot, rows_store.slot_of[indices], None
             return
         staging = self.staging[rows_store.device, rows_store.host.dtype]
         if end <= staging.shape[0]:
             staging[:end].copy_(rows_store.host[:end], non_blocking=True)
-            yield staging[:end], indices, False
+            yield staging[:end], indices, None
             return
         ordered = self._sorted(indices)
         for first in range(0, end, staging.shape[0]):
             n = min(staging.shape[0], end - first)
             staging[:n].copy_(rows_store.host[first : first + n], non_blocking=True)  # after the last slab's reads
-            yield staging[:n], torch.where((ordered >= first) & (ordered < first + n), ordered - first, -1), True
+            bounds = torch.tensor([[first, first + n]], device=ordered.device).expand(ordered.shape[0], 2)
+            span = torch.searchsorted(ordered, bounds.contiguous()).to(torch.int32)
+            yield staging[:n], torch.where((ordered >= first) & (ordered < first + n), ordered - first, -1), span
 
     def _sorted(self, indices: torch.Tensor) -> torch.Tensor:
         """indices sorted along each row; the last one kept, since IndexShare's shared layers pass the same tensor."""
