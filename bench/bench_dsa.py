@@ -1,14 +1,15 @@
 """DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
 beside the plain-torch reference (glm5_offload/model/mla.py).
 
-    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep | --indexer-call-1m]
+    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep | --indexer-call-1m |
+        --topk-sampled-parts]
 
 Decode kernels take microseconds, less than Python's launch of them: they are timed eagerly and replayed
 from a CUDA graph (the GPU's own time; the engine's decode is to run from graphs). --sweep also times
 each kernel over block shapes (the defaults in kernels/dsa_triton.py come from such a sweep).
 --mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first;
 --indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k;
---mla-prefill-sweep only sparse MLA prefill's block sweep.
+--mla-prefill-sweep only sparse MLA prefill's block sweep; --topk-sampled-parts the steps of the sampled top-k.
 """
 
 import json
@@ -206,6 +207,38 @@ def indexer_call_1m(table: list) -> dict:
     return rows
 
 
+def topk_sampled_parts() -> dict:
+    """Milliseconds of each step of topk_triton.topk_sampled on one 1M prefill call's scores (128 causal rows)."""
+    S, T, k = 128, 1 << 20, TOPK
+    scores = torch.randn(S, T, device="cuda")
+    valid = torch.linspace(1000, T, S, device="cuda").long()
+    scores.masked_fill_(torch.arange(T, device="cuda")[None, :] >= valid[:, None], float("-inf"))
+    sample = scores[:, :: T // topk_triton.SAMPLE]
+    rank = -(-4 * k * sample.shape[1] // T)
+    thr = sample.topk(rank, dim=1).values[:, -1].contiguous()
+    count = torch.zeros(S, dtype=torch.int32, device="cuda")
+    cand = torch.full((S, topk_triton.CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device="cuda")
+    out = {}
+    for programs in (4, 16, 64):
+        per = triton.cdiv(triton.cdiv(T, programs), topk_triton.BLOCK) * topk_triton.BLOCK
+
+        def candidates():
+            count.zero_()
+            topk_triton._candidates_kernel[(S, triton.cdiv(T, per))](scores, thr, count, cand, T, per,
+                                                                     CAP=topk_triton.CAP, BLOCK=topk_triton.BLOCK,
+                                                                     num_warps=8)
+        out[f"candidates_kernel_{programs}_programs_a_row_ms"] = ceilings.time_ms(candidates)
+    out["counts_min_max"] = (count.min().item(), count.max().item())
+    out["sample_threshold_ms"] = ceilings.time_ms(lambda: sample.topk(rank, dim=1).values[:, -1].contiguous())
+    out["candidates_topk_int64_ms"] = ceilings.time_ms(lambda: cand.topk(k, dim=1))
+    out["candidates_topk_int64_unsorted_ms"] = ceilings.time_ms(lambda: cand.topk(k, dim=1, sorted=False))
+    out["candidates_sort_int64_ms"] = ceilings.time_ms(lambda: cand.sort(dim=1, descending=True))
+    out["whole_ms"] = ceilings.time_ms(lambda: topk_triton.topk_sampled(scores, k))
+    out["torch_topk_ms"] = ceilings.time_ms(lambda: scores.topk(k, dim=1))
+    out["torch_topk_unsorted_ms"] = ceilings.time_ms(lambda: scores.topk(k, dim=1, sorted=False))
+    return out
+
+
 def topk(table: list, hbm: float) -> dict:
     """Top-2048 of 1M-wide rows (a 2^20 bucket, its last 48,576 positions masked): torch.topk beside the radix
     select (kernels/topk_triton.py), each from a CUDA graph; the radix select also per call in a stream of 8 rows."""
@@ -290,6 +323,9 @@ if __name__ == "__main__":
         print(json.dumps(indexer_call_1m(table)))
         for name, value in table:
             print(f"| {name} | {value} |")
+        sys.exit(0)
+    if "--topk-sampled-parts" in sys.argv:
+        print(json.dumps(topk_sampled_parts(), indent=1))
         sys.exit(0)
     if "--mla-prefill-sweep" in sys.argv:
         print(json.dumps(mla_prefill_sweep()))
