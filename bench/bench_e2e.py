@@ -1,7 +1,7 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
-        [--rules glm5 --gpu-ring 256] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
+        [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
         [--peer all,offload] [--prefill-only] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
@@ -99,16 +99,16 @@ def marginal_layer(runs: dict[int, list[dict]], moe: dict[int, int]) -> list[dic
     return rows
 
 
-def with_gpu_ring(rules: RuleFile, depth: int) -> RuleFile:
-    """The rule file with gpu_ring = depth in its experts.numba rules' kwargs, checked as a rule file's are."""
+def with_kwargs(rules: RuleFile, op: str, kwargs: dict, flag: str) -> RuleFile:
+    """The rule file with kwargs set in its rules that name op, checked as a rule file's are (flag: the
+    command-line flag that asked, named in the error)."""
     changed = []
     for rule in rules.rules:
-        if rule.op is not None and rule.op.name == "experts.numba":
+        if rule.op is not None and rule.op.name == op:
             try:
-                kwargs = rule.op.parse_kwargs({**rule.kwargs, "gpu_ring": depth})
+                rule = dataclasses.replace(rule, kwargs=rule.op.parse_kwargs({**rule.kwargs, **kwargs}))
             except Glm5Error as e:
-                raise SystemExit(f"--gpu-ring: {e}") from None
-            rule = dataclasses.replace(rule, kwargs=kwargs)
+                raise SystemExit(f"{flag}: {e}") from None
         changed.append(rule)
     return dataclasses.replace(rules, rules=tuple(changed))
 
@@ -126,6 +126,7 @@ def main(argv=None):
     parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int, help="experts.numba's gpu_ring in every experts rule: experts the "
                                                      "GPU holds at once for long chunks (256: a whole GLM-5 layer)")
+    parser.add_argument("--sampled-topk", action="store_true", help="indexer.dsa_triton's sampled_topk in the rules")
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=16384)
@@ -137,7 +138,9 @@ def main(argv=None):
     counts = [int(n) for n in args.layers.split(",")]
     rules = load_rules(args.rules)
     if args.gpu_ring:
-        rules = with_gpu_ring(rules, args.gpu_ring)
+        rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
+    if args.sampled_topk:
+        rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": True}, "--sampled-topk")
     runs, moe, configs, fmt, peers = {}, {}, {}, None, []
     for n in counts:
         model_dir = Path(args.dir) if len(counts) == 1 else Path(args.dir) / f"{n}-layers"

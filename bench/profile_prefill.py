@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_context import fill
-from bench_e2e import with_gpu_ring
+from bench_e2e import with_kwargs
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
@@ -38,7 +38,7 @@ def main(argv=None):
                   fp8=args.fp8)
     rules = load_rules(args.rules)
     if args.gpu_ring:
-        rules = with_gpu_ring(rules, args.gpu_ring)
+        rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
     model = load_model(args.dir, rules=rules, device=args.device, max_seq_len=args.context)
     engine = Engine(model, max_seq_len=args.context, prefill_chunk=args.chunk)
     before = args.context - args.chunk

@@ -59,11 +59,14 @@ def _record(state_row, prefix, remaining, LEVEL: tl.constexpr):
 
 
 @triton.jit
-def _histogram_kernel(scores_ptr, hist_ptr, state_ptr, T, k, per_program, LEVEL: tl.constexpr, BITS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _histogram_kernel(scores_ptr, hist_ptr, state_ptr, skip_ptr, T, k, per_program, LEVEL: tl.constexpr,
+                      BITS: tl.constexpr, BLOCK: tl.constexpr, SKIP: tl.constexpr):
     # scores [rows, T] fp32; hist [rows, LEVELS, 2^BITS] int32 (zeroed); state [rows, LEVELS + 1, 2] int32;
-    # program (row, p) reads scores[row, p*per_program:][:per_program]
+    # program (row, p) reads scores[row, p*per_program:][:per_program]; SKIP: rows where skip [rows] is set are left
     row, p = tl.program_id(0), tl.program_id(1)
+    if SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
     hist_row = hist_ptr + row * (32 // BITS) * (1 << BITS)
     state_row = state_ptr + row * 2 * (32 // BITS + 1)
     prefix, remaining = _chosen(hist_row, state_row, k, LEVEL, BITS)
@@ -83,10 +86,13 @@ def _histogram_kernel(scores_ptr, hist_ptr, state_ptr, T, k, per_program, LEVEL:
 
 
 @triton.jit
-def _count_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, T, k, per_program, BITS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _count_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, skip_ptr, T, k, per_program, BITS: tl.constexpr,
+                  BLOCK: tl.constexpr, SKIP: tl.constexpr):
     # counts [rows, programs, 2] int32: this program's keys above the k-th largest, and equal to it
     row, p = tl.program_id(0), tl.program_id(1)
+    if SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
     state_row = state_ptr + row * 2 * (32 // BITS + 1)
     kth, ties = _chosen(hist_ptr + row * (32 // BITS) * (1 << BITS), state_row, k, 32 // BITS, BITS)
     _record(state_row, kth, ties, 32 // BITS)
@@ -106,11 +112,14 @@ def _count_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, T, k, per_program
 
 
 @triton.jit
-def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, T, k, per_program, BITS: tl.constexpr,
-                  BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, skip_ptr, T, k, per_program, BITS: tl.constexpr,
+                  BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, SKIP: tl.constexpr):
     # out [rows, k] int64: the row's positions above the k-th largest, then `ties` of those equal to it, each
     # ascending; -1 for a position whose score is -inf
     row, p = tl.program_id(0), tl.program_id(1)
+    if SKIP:
+        if tl.load(skip_ptr + row) != 0:
+            return
     state_row = state_ptr + row * 2 * (32 // BITS + 1) + 2 * (32 // BITS)
     kth, ties = tl.load(state_row).to(tl.uint32, bitcast=True), tl.load(state_row + 1)
     others = tl.arange(0, PROGRAMS)
@@ -138,12 +147,14 @@ def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, T, k, per_program,
         equal_before += tl.sum(is_equal.to(tl.int32))
 
 
-def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                 skip: torch.Tensor | None = None) -> torch.Tensor:
     """Positions of the top min(k, T) scores of each row of scores [S, T] fp32 -> [S, min(k, T)] int64, -1 where the
-    score is -inf (model.mla.topk_indices' set; ties lowest position first, in the order the docstring gives)."""
+    score is -inf (model.mla.topk_indices' set; ties lowest position first, in the order the docstring gives).
+    skip [S] bool: rows of out left as they are (their programs return at once)."""
     S, T = scores.shape
     k = min(k, T)
-    out = torch.empty(S, k, dtype=torch.int64, device=scores.device)
+    out = torch.empty(S, k, dtype=torch.int64, device=scores.device) if out is None else out
     if S == 0 or k == 0:
         return out
     scores = scores.float().contiguous()
@@ -154,12 +165,14 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     state = torch.empty(S, LEVELS + 1, 2, dtype=torch.int32, device=scores.device)
     counts = torch.empty(S, programs, 2, dtype=torch.int32, device=scores.device)
     grid = (S, programs)
+    flags = counts if skip is None else skip.to(torch.int8)  # (not read without skip)
     for level in range(LEVELS):
-        _histogram_kernel[grid](scores, hist, state, T, k, per_program, LEVEL=level, BITS=BITS, BLOCK=BLOCK,
-                                num_warps=8)
-    _count_kernel[grid](scores, hist, state, counts, T, k, per_program, BITS=BITS, BLOCK=BLOCK, num_warps=8)
-    _write_kernel[grid](state, scores, counts, out, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
-                        PROGRAMS=triton.next_power_of_2(programs), num_warps=8)
+        _histogram_kernel[grid](scores, hist, state, flags, T, k, per_program, LEVEL=level, BITS=BITS, BLOCK=BLOCK,
+                                SKIP=skip is not None, num_warps=8)
+    _count_kernel[grid](scores, hist, state, counts, flags, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
+                        SKIP=skip is not None, num_warps=8)
+    _write_kernel[grid](state, scores, counts, out, flags, T, k, per_program, BITS=BITS, BLOCK=BLOCK,
+                        PROGRAMS=triton.next_power_of_2(programs), SKIP=skip is not None, num_warps=8)
     return out
 
 
@@ -167,7 +180,8 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 # gives a threshold that about 4k scores pass (the sample's 4k/T quantile); one pass keeps the scores at or above it
 # as candidates (with their positions, in 64-bit keys ordered as (score, lower position first)), and torch.topk of
 # the candidates is the row's top-k whenever at least k and at most CAP passed: everything left out scores below
-# everything kept. A row where the sample misled (too few or too many passed) is redone by the radix select.
+# everything kept. A row where the sample misled (too few or too many passed) is redone by the radix select, whose
+# programs for the other rows return at once: nothing waits for the GPU.
 SAMPLE = 4096
 CAP = 16384  # candidates kept per row: 4x the 4k expected at k 2048 (a miss needs a sample 5 sigma off)
 SAMPLED_WIDTH = 4 * CAP  # rows at least this wide take the sampled path (narrower ones: torch.topk is quick)
@@ -196,8 +210,8 @@ def _candidates_kernel(scores_ptr, thr_ptr, count_ptr, cand_ptr, T, per_program,
 def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
     """topk_indices' set for rows of scores [S, T] fp32 at least SAMPLED_WIDTH wide (and k <= CAP // 2): one read
     of each row, see above; -1 where the score is -inf; ties at the k-th score taken lowest position first. A row
-    the sample misled is redone by topk_indices (checked on the host: one wait for the GPU per call). The order:
-    by score, or topk_indices' in a row redone."""
+    the sample misled (misled_rows) is redone by topk_indices. The order: by score, or topk_indices' in a row
+    redone."""
     S, T = scores.shape
     assert T >= SAMPLED_WIDTH and 2 * k <= CAP, (T, k)
     scores = scores.float().contiguous()
@@ -213,7 +227,10 @@ def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
                                                         BLOCK=BLOCK, num_warps=8)
     top = cand.topk(k, dim=1).values
     out = (0xFFFFFFFF - (top & 0xFFFFFFFF)).masked_fill_((top >> 32) < _NEG_INF_KEY + 1 - (1 << 31), -1)
-    missed = ((count > CAP) | ((count < k) & (thr != float("-inf")))).nonzero()[:, 0]
-    if missed.numel():
-        out[missed] = topk_indices(scores[missed], k)
-    return out
+    return topk_indices(scores, k, out=out, skip=~misled_rows(count, thr, k))
+
+
+def misled_rows(count: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor:
+    """[S] bool: rows whose candidates (count of them, their threshold thr) need not hold the top k: more than CAP
+    passed, or fewer than k passed a threshold above -inf."""
+    return (count > CAP) | ((count < k) & (thr != float("-inf")))

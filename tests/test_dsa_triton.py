@@ -283,3 +283,36 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
     assert seen and set(seen) == {passed}
     with pytest.raises(Glm5Error, match="fp8_queries must be true or false, got 'maybe'"):
         load_model(path, dtype=torch.float32, rules=rules("fp8_queries: maybe"))
+
+
+def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch):
+    """indexer.dsa_triton's sampled_topk: off by default; on, a prefill's wide rows (here: the widths made small)
+    take topk_sampled, and the logits stay those of torch.topk's selection; a bad value is refused in one line."""
+    from glm5_offload.kernels import topk_triton
+
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    monkeypatch.setattr(topk_triton, "SAMPLE", 8)
+    monkeypatch.setattr(topk_triton, "SAMPLED_WIDTH", 32)
+    calls = []
+    original = topk_triton.topk_sampled
+    monkeypatch.setattr(topk_triton, "topk_sampled", lambda *a: calls.append(a[0].shape) or original(*a))
+
+    def logits(setting: str):
+        file = tmp_path / "sampled.yaml"
+        file.write_text(f"""
+- default: {{device: {DEVICE}}}
+- match: {{class: Attention}}
+  replace: {{op: attention.dsa_triton, device: {DEVICE}}}
+- match: {{class: Indexer}}
+  replace: {{op: indexer.dsa_triton, device: {DEVICE}, kwargs: {{{setting}}}}}
+""")
+        model = load_model(path, dtype=torch.float32, rules=load_rules(file))
+        return model(torch.arange(4, 54, device=DEVICE), new_cache(model, 64))
+
+    plain = logits("")
+    assert calls == []
+    sampled = logits("sampled_topk: true")
+    assert calls and all(shape[1] >= 32 for shape in calls)
+    torch.testing.assert_close(sampled, plain, rtol=1e-4, atol=1e-4)
+    with pytest.raises(Glm5Error, match="sampled_topk must be true or false, got 'yes'"):
+        logits("sampled_topk: 'yes'")

@@ -58,6 +58,14 @@ def test_all_equal_and_all_masked_rows():
     assert torch.equal(got[0], torch.arange(100)) and bool((got[1] == -1).all())
 
 
+def test_skipped_rows_are_left_as_they_are():
+    scores = random_scores(3, 5000, seed=9).to(DEVICE)
+    out = torch.full((3, 64), -7, dtype=torch.int64, device=DEVICE)
+    topk_triton.topk_indices(scores, 64, out=out, skip=torch.tensor([True, False, True], device=DEVICE))
+    assert (out[0] == -7).all() and (out[2] == -7).all()
+    assert torch.equal(out[1].cpu(), expected(scores[1:2].cpu(), 64)[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("S", [1, 16])
@@ -74,22 +82,26 @@ def test_a_million_wide_row_on_the_gpu(S):
     assert torch.equal(replayed, got)
 
 
-def check_sampled(scores, k):
+def check_sampled(scores, k, monkeypatch) -> list[bool]:
+    """topk_sampled's set against the documented one; the rows it found misled."""
+    misled = []
+    original = topk_triton.misled_rows
+    monkeypatch.setattr(topk_triton, "misled_rows", lambda *a: misled.append(original(*a)) or misled[-1])
     got = topk_triton.topk_sampled(scores, k)
     ranked = scores.cpu().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN first
     want = expected(ranked, k).to(scores.device)  # torch.topk's set, ties taken lowest position first
     assert torch.equal(got.sort(1).values, want.sort(1).values)  # (and as many -1s)
+    return misled[0].tolist()
 
 
 def test_sampled_topk_equals_torch(monkeypatch):
     """Wide rows (a prefill chunk's indexer scores): random, causal (a row with fewer valid scores than k), many
     ties at the k-th value, negative, one NaN; none needs the radix select."""
-    monkeypatch.setattr(topk_triton, "topk_indices", lambda *a: pytest.fail("the sample misled a row"))
     T, k = topk_triton.SAMPLED_WIDTH + 1234, 2048
     scores = random_scores(4, T, seed=7)
     scores[2, 1500:] = float("-inf")
     scores[3, 17] = float("nan")
-    check_sampled(scores.to(DEVICE), k)
+    assert check_sampled(scores.to(DEVICE), k, monkeypatch) == [False] * 4
 
 
 def test_rows_the_sample_misleads_are_redone(monkeypatch):
@@ -103,11 +115,7 @@ def test_rows_the_sample_misleads_are_redone(monkeypatch):
     scores[0] = 0.0
     scores[0, off_grid[off_grid % stride != 0]] = 1.0
     scores[1, ::stride] += 10.0
-    redone = []
-    original = topk_triton.topk_indices
-    monkeypatch.setattr(topk_triton, "topk_indices", lambda s, k: redone.append(s.shape[0]) or original(s, k))
-    check_sampled(scores.to(DEVICE), k)
-    assert redone == [2]
+    assert check_sampled(scores.to(DEVICE), k, monkeypatch) == [True, True, False]
 
 
 @pytest.mark.gpu
@@ -115,9 +123,8 @@ def test_rows_the_sample_misleads_are_redone(monkeypatch):
 def test_sampled_topk_of_a_prefill_call_on_the_gpu(monkeypatch):
     """Real sizes: 128 rows of 2^20 (one indexer call of a 1M prefill), causal: row r valid up to a position
     spread over the context."""
-    monkeypatch.setattr(topk_triton, "topk_indices", lambda *a: pytest.fail("the sample misled a row"))
     T = 1 << 20
     scores = torch.randn(128, T, device="cuda") * torch.rand(128, 1, device="cuda") * 100
     valid = torch.linspace(1000, T, 128, device="cuda").long()
     scores.masked_fill_(torch.arange(T, device="cuda")[None, :] >= valid[:, None], float("-inf"))
-    check_sampled(scores, 2048)
+    assert check_sampled(scores, 2048, monkeypatch) == [False] * 128

@@ -24,6 +24,7 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
+    sampled_topk = False  # the rule's kwarg: a prefill's wide score rows take topk_sampled
 
     def scores(self, q, keys, weights, positions, end):
         if isinstance(keys, FP8Keys):
@@ -39,11 +40,11 @@ class TritonIndexer(Indexer):
                                       rows=positions)
 
     def select(self, scores):
-        """Decode rows (up to 4) by the radix select; more at once (a prefill's) by one sampled pass over rows wide
-        enough, else torch.topk, faster there than the radix select (bench/RESULTS.md)."""
+        """Decode rows (up to 4) by the radix select; more at once (a prefill's) by torch.topk, faster there than the
+        radix select (bench/RESULTS.md), or with sampled_topk by one sampled pass over rows wide enough."""
         if scores.shape[0] <= RADIX_ROWS:
             return topk_triton.topk_indices(scores, self.topk)
-        if scores.shape[1] >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP:
+        if self.sampled_topk and scores.shape[1] >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP:
             return topk_triton.topk_sampled(scores, self.topk)
         return super().select(scores)
 
@@ -93,17 +94,21 @@ class TritonAttention(Attention):
 class TritonIndexerOperator(IndexerOperator):
     """kwargs: fp8_queries (default true): over FP8 keys on a GPU with FP8 tensor cores, a prefill chunk's queries go
     to e4m3 per (query, head) and the scores take FP8 dots, as DeepSeek's indexer and vLLM's do (faster; selections
-    near a tie can differ from bf16 queries'); false keeps them in the compute dtype."""
+    near a tie can differ from bf16 queries'); false keeps them in the compute dtype. sampled_topk (default false):
+    a prefill's score rows of 65536 keys and more take their top-k from kernels/topk_triton.py's sampled pass (the
+    same set as torch.topk's; on the H200 its parts sum to ~1.0 ms against torch.topk's 1.6 ms for 128 rows of 1M
+    keys, not yet measured over a whole prefill)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
-        fp8_queries = kwargs.get("fp8_queries", True)
-        if not isinstance(fp8_queries, bool):
-            raise Glm5Error(f"fp8_queries must be true or false, got {fp8_queries!r}")
-        return {"fp8_queries": fp8_queries}
+        parsed = {name: kwargs.get(name, default) for name, default in (("fp8_queries", True), ("sampled_topk", False))}
+        for name, value in parsed.items():
+            if not isinstance(value, bool):
+                raise Glm5Error(f"{name} must be true or false, got {value!r}")
+        return parsed
 
     def build(self, slot, checkpoint, ctx):
         module = super().build(slot, checkpoint, ctx)
-        module.fp8_queries = slot.kwargs["fp8_queries"]
+        module.fp8_queries, module.sampled_topk = slot.kwargs["fp8_queries"], slot.kwargs["sampled_topk"]
         return module
 
 
@@ -112,7 +117,8 @@ OPERATORS = (
                       kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES,
                       module_class=TritonAttention),
     TritonIndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores and top-k in Triton kernels",
-                          kwargs=("fp8_queries",), delegates=(Linear,), devices=DEVICES, module_class=TritonIndexer),
+                          kwargs=("fp8_queries", "sampled_topk"), delegates=(Linear,), devices=DEVICES,
+                          module_class=TritonIndexer),
     IndexerOperator("pooled_indexer.dsa_triton", PooledIndexer, "GLM-5.3-Flash's group scores in the indexer's "
                     "Triton kernel, torch.topk", delegates=(Linear,), devices=DEVICES,
                     module_class=TritonPooledIndexer),
