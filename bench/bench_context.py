@@ -1,8 +1,8 @@
 """Saving and loading a context (runtime/saved_context.py) beside the disk's own sequential write and read speed,
 measured in the same run on the same folder, and the projection to the full model's context.
 
-The bench model's cache is filled with random rows (no prefill: the bytes are what is timed), --context tokens of
-a GLM-5-shaped checkpoint cut to a few layers, placed by --rules. Writes are timed to the end of an fsync; reads
+The bench model's cache is filled with random rows (no prefill: the bytes are what is timed; bench/profile_prefill.py
+fills its context so too), --context tokens of a GLM-5-shaped checkpoint cut to a few layers, placed by --rules. Writes are timed to the end of an fsync; reads
 are of a file written before, so they may come from the page cache (both sides alike: said in the output).
 
     PYTHONPATH=.:bench python3 bench/bench_context.py --dir /tmp/g52 [--preset glm-5.2 --layers 2 --fp8]
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from glm5_offload.config import load_config
+from glm5_offload.formats.kv_rows import FP8Keys, quantize_keys, quantize_latent
 from glm5_offload.loader import load_model
 from glm5_offload.model import build_model
 from glm5_offload.planner import make_plan
@@ -31,16 +32,28 @@ from glm5_offload.tiny import make_tiny
 
 
 def fill(engine: Engine, n: int):
-    """n tokens of random cache rows and ids, as if prefilled."""
+    """n tokens of random cache rows and ids, as if prefilled: normal values in each store's form (FP8 rows and keys
+    quantised from them, so that scores and attention over them stay finite)."""
     cache = engine.cache = new_cache(engine.model, engine.max_seq_len)
-    for rows in cache.latent:
-        store = rows.host if isinstance(rows, TieredLatent) else rows
-        store[:n].view(torch.uint8).copy_(torch.randint(0, 120, store[:n].view(torch.uint8).shape, dtype=torch.uint8))
-    for keys in cache.index_keys.values():
-        for t in (keys.values, keys.scales) if hasattr(keys, "scales") else (keys,):
-            t[:n].view(torch.uint8).copy_(torch.randint(0, 120, t[:n].view(torch.uint8).shape, dtype=torch.uint8))
+    config, device = engine.model.config, engine.model.device
+    for first in range(0, n, 1 << 16):
+        rows = slice(first, min(n, first + (1 << 16)))
+        m = rows.stop - rows.start
+        for latent in cache.latent:
+            store = latent.host if isinstance(latent, TieredLatent) else latent
+            values = torch.randn(m, config.latent_dim, device=device)
+            store[rows].copy_(quantize_latent(values, config.kv_lora_rank) if store.dtype == torch.uint8
+                              else values.to(store.dtype))
+        for keys in cache.index_keys.values():
+            values = torch.randn(m, config.index_head_dim, device=device)
+            if isinstance(keys, FP8Keys):
+                k8, scales = quantize_keys(values)
+                keys.values[rows].copy_(k8)
+                keys.scales[rows].copy_(scales)
+            else:
+                keys[rows].copy_(values.to(keys.dtype))
     cache.length = n
-    engine.cache_ids = torch.randint(0, engine.model.config.vocab_size, (n,)).tolist()
+    engine.cache_ids = torch.randint(0, config.vocab_size, (n,)).tolist()
 
 
 def disk_speeds(folder: Path, nbytes: int) -> tuple[float, float]:

@@ -129,14 +129,15 @@ def hf_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory):
-    """(directory, data): a tiny glm_moe_dsa (every input dim a multiple of 32) that transformers trained for 40
+    """(directory, data): a tiny glm_moe_dsa (every input dim a multiple of 32) that transformers trained for 250
     steps on the four sequences `data` [4, 80] until its greedy continuation of each follows it, saved in bf16. A
     random model's logits are nearly tied, so any rounding flips its greedy tokens; a trained one's say what a
-    format costs."""
+    format costs. (40 steps at lr 3e-3 left some tokens within 0.4 of the next logit, and which ones depended on
+    the CPU the training ran on: an int4 test passed on one 2-core box and agreed 83% on another.)"""
     hf = build_hf_model("glm_moe_dsa", q_lora_rank=64).train()
     data = torch.randint(4, 320, (4, 80), generator=torch.Generator().manual_seed(1))
-    optimizer = torch.optim.Adam(hf.parameters(), lr=3e-3)
-    for _ in range(40):
+    optimizer = torch.optim.Adam(hf.parameters(), lr=2e-3)
+    for _ in range(250):
         loss = hf(data, labels=data).loss
         optimizer.zero_grad()
         loss.backward()

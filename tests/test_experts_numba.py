@@ -72,8 +72,9 @@ def test_parity_with_transformers_in_bf16(tmp_path):
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path, activations):
     """Teacher-forced over 64 greedy bf16 tokens: int8 experts pick the same next token >= 90% of the time; with
-    int8 activations too (a speed mode that costs accuracy) >= 80% (measured 83% on this random tiny model,
-    whose top logits are nearly tied)."""
+    int8 activations too (a speed mode that costs accuracy) >= 80% (measured 83% and 91% on two CPUs: this random
+    tiny model's top logits are nearly tied; 95% with fp32 activations on the second). Whether teacher forcing
+    repeats the generated tokens themselves in bf16 also depends on the CPU, so it is not asserted here."""
     from glm5_offload.runtime.engine import Engine
 
     path = tiny_dir()
@@ -86,7 +87,6 @@ def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path, activations):
     sequence = torch.tensor(prompt + tokens)
     a = logits(bf16, sequence)[len(prompt) - 1 : -1].argmax(-1)
     b = logits(int8, sequence)[len(prompt) - 1 : -1].argmax(-1)
-    assert a.tolist() == tokens
     assert (a == b).float().mean() >= (0.9 if activations == "fp32" else 0.8)
 
 

@@ -77,18 +77,23 @@ class TritonAttention(Attention):
             return (kv_b.weight, kv_b.scales, kv_b.compute_dtype) if kv_b.fmt == "fp8" else super().kv_b_weight(x)
         return kv_b.weight, None, kv_b.weight.dtype
 
-    # A prefill chunk's products (dense W) go in W's, the compute dtype, on tensor cores for bf16: sparse_mla reads its
-    # queries in bf16 then anyway, and the output is cast to it (the reference's fp32 einsums: ~30 TFLOP a layer of
-    # a 1M prefill at the fp32 rate)
+    # On a GPU a prefill chunk's products (dense W) go in W's dtype, the compute dtype, on tensor cores for bf16:
+    # sparse_mla reads its queries in bf16 there anyway, and the output is cast to it (the reference's fp32 einsums:
+    # ~30 TFLOP a layer of a 1M prefill at the fp32 rate). On the CPU (the interpreter) the kernels and these
+    # products compute in fp32, as the reference does.
     def absorb_query(self, q_nope, w):
-        if not isinstance(w, tuple):
-            return torch.einsum("shd,hdl->shl", q_nope.to(w.dtype), w[:, : self.nope])
-        return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim)
+        if isinstance(w, tuple):
+            return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim)
+        if not w.is_cuda:
+            return super().absorb_query(q_nope, w)
+        return torch.einsum("shd,hdl->shl", q_nope.to(w.dtype), w[:, : self.nope])
 
     def absorb_output(self, o, w):
-        if not isinstance(w, tuple):
-            return torch.einsum("shl,hvl->shv", o.to(w.dtype), w[:, self.nope :])
-        return mla_absorb.absorb_output(o, *w, self.nope, self.nope + self.v_dim)
+        if isinstance(w, tuple):
+            return mla_absorb.absorb_output(o, *w, self.nope, self.nope + self.v_dim)
+        if not w.is_cuda:
+            return super().absorb_output(o, w)
+        return torch.einsum("shl,hvl->shv", o.to(w.dtype), w[:, self.nope :])
 
 
 class TritonIndexerOperator(IndexerOperator):

@@ -129,6 +129,7 @@ class KVCache:
             raise Glm5Error(
                 f"context of {self.length + n_new} tokens exceeds max_seq_len {self.max_seq_len}"
             )
+        self.sorted_indices = None  # the last pass's (a long chunk's: held no longer)
         for rows_store in self.latent:
             if isinstance(rows_store, TieredLatent):  # (None: a KDA layer)
                 if rows_store.end != self.length:
