@@ -2,8 +2,9 @@
 measured in the same run on the same folder, and the projection to the full model's context.
 
 The bench model's cache is filled with random rows (no prefill: the bytes are what is timed; bench/profile_prefill.py
-fills its context so too), --context tokens of a GLM-5-shaped checkpoint cut to a few layers, placed by --rules. Writes are timed to the end of an fsync; reads
-are of a file written before, so they may come from the page cache (both sides alike: said in the output).
+fills its context so too), --context tokens of a GLM-5-shaped checkpoint cut to a few layers, placed by --rules.
+Writes are timed to the end of an fsync; reads are of a file written before, so they may come from the page cache
+(both sides alike: said in the output).
 
     PYTHONPATH=.:bench python3 bench/bench_context.py --dir /tmp/g52 [--preset glm-5.2 --layers 2 --fp8]
         [--rules glm5] [--context 1048576] [--folder /tmp] [--json FILE]

@@ -220,13 +220,12 @@ def topk_sampled_parts() -> dict:
     cand = torch.full((S, topk_triton.CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device="cuda")
     out = {}
     for programs in (4, 16, 64):
-        per = triton.cdiv(triton.cdiv(T, programs), topk_triton.BLOCK) * topk_triton.BLOCK
+        grid, per = topk_triton.row_split(scores, programs)
 
         def candidates():
             count.zero_()
-            topk_triton._candidates_kernel[(S, triton.cdiv(T, per))](scores, thr, count, cand, T, per,
-                                                                     CAP=topk_triton.CAP, BLOCK=topk_triton.BLOCK,
-                                                                     num_warps=8)
+            topk_triton._candidates_kernel[(S, grid)](scores, thr, count, cand, T, per, CAP=topk_triton.CAP,
+                                                      BLOCK=topk_triton.BLOCK, num_warps=8)
         out[f"candidates_kernel_{programs}_programs_a_row_ms"] = ceilings.time_ms(candidates)
     out["counts_min_max"] = (count.min().item(), count.max().item())
     out["sample_threshold_ms"] = ceilings.time_ms(lambda: sample.topk(rank, dim=1).values[:, -1].contiguous())

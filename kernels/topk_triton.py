@@ -147,6 +147,15 @@ def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, skip_ptr, T, k, pe
         equal_before += tl.sum(is_equal.to(tl.int32))
 
 
+def row_split(scores: torch.Tensor, wanted: int) -> tuple[int, int]:
+    """(programs a row, scores each reads: whole BLOCKs) for rows of scores [S, T]: about `wanted` programs a row,
+    at most MAX_PROGRAMS, at least one BLOCK each."""
+    T = scores.shape[1]
+    programs = max(1, min(MAX_PROGRAMS, wanted, triton.cdiv(T, BLOCK)))
+    per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
+    return triton.cdiv(T, per_program), per_program
+
+
 def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
                  skip: torch.Tensor | None = None) -> torch.Tensor:
     """Positions of the top min(k, T) scores of each row of scores [S, T] fp32 -> [S, min(k, T)] int64, -1 where the
@@ -158,9 +167,7 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     if S == 0 or k == 0:
         return out
     scores = scores.float().contiguous()
-    programs = max(1, min(MAX_PROGRAMS, programs_wanted(scores.device) // S, triton.cdiv(T, BLOCK)))
-    per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
-    programs = triton.cdiv(T, per_program)
+    programs, per_program = row_split(scores, programs_wanted(scores.device) // S)
     hist = torch.zeros(S, LEVELS, 1 << BITS, dtype=torch.int32, device=scores.device)
     state = torch.empty(S, LEVELS + 1, 2, dtype=torch.int32, device=scores.device)
     counts = torch.empty(S, programs, 2, dtype=torch.int32, device=scores.device)
@@ -221,10 +228,8 @@ def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
     count = torch.zeros(S, dtype=torch.int32, device=scores.device)
     cand = torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=scores.device)
     # 16 programs a row at least (H200, 128 rows of 2^20: 0.73 ms with 4, 0.59 with 16 or 64)
-    programs = max(1, min(MAX_PROGRAMS, max(16, programs_wanted(scores.device) // S), triton.cdiv(T, BLOCK)))
-    per_program = triton.cdiv(triton.cdiv(T, programs), BLOCK) * BLOCK
-    _candidates_kernel[(S, triton.cdiv(T, per_program))](scores, thr, count, cand, T, per_program, CAP=CAP,
-                                                        BLOCK=BLOCK, num_warps=8)
+    programs, per_program = row_split(scores, max(16, programs_wanted(scores.device) // S))
+    _candidates_kernel[(S, programs)](scores, thr, count, cand, T, per_program, CAP=CAP, BLOCK=BLOCK, num_warps=8)
     top = cand.topk(k, dim=1).values
     out = (0xFFFFFFFF - (top & 0xFFFFFFFF)).masked_fill_((top >> 32) < _NEG_INF_KEY + 1 - (1 << 31), -1)
     return topk_indices(scores, k, out=out, skip=~misled_rows(count, thr, k))
