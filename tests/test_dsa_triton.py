@@ -140,14 +140,15 @@ def test_real_sizes_on_the_gpu(S):
     check_rope_quant(4096, 128, 64, interleaved=S == 1)
 
 
-def dsa_rules(tmp_path, device):
+def dsa_rules(tmp_path, device, attention: str = "", indexer: str = ""):
+    """attention.dsa_triton and indexer.dsa_triton on device, with these kwargs (YAML flow-mapping text)."""
     path = tmp_path / "dsa.yaml"
     path.write_text(f"""
 - default: {{device: {device}}}
 - match: {{class: Attention}}
-  replace: {{op: attention.dsa_triton, device: {device}}}
+  replace: {{op: attention.dsa_triton, device: {device}, kwargs: {{{attention}}}}}
 - match: {{class: Indexer}}
-  replace: {{op: indexer.dsa_triton, device: {device}}}
+  replace: {{op: indexer.dsa_triton, device: {device}, kwargs: {{{indexer}}}}}
 """)
     return load_rules(path)
 
@@ -261,15 +262,7 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
     path, _ = hf_checkpoint("glm_moe_dsa")
 
     def rules(kwargs: str):
-        file = tmp_path / "fp8.yaml"
-        file.write_text(f"""
-- default: {{device: {DEVICE}}}
-- match: {{class: Attention}}
-  replace: {{op: attention.dsa_triton, device: {DEVICE}, kwargs: {{kv_dtype: fp8}}}}
-- match: {{class: Indexer}}
-  replace: {{op: indexer.dsa_triton, device: {DEVICE}, kwargs: {{{kwargs}}}}}
-""")
-        return load_rules(file)
+        return dsa_rules(tmp_path, DEVICE, attention="kv_dtype: fp8", indexer=kwargs)
 
     model = load_model(path, dtype=torch.float32, rules=rules(setting))
     original, seen = dsa_triton.indexer_scores, []
@@ -298,15 +291,7 @@ def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch)
     monkeypatch.setattr(topk_triton, "topk_sampled", lambda *a: calls.append(a[0].shape) or original(*a))
 
     def logits(setting: str):
-        file = tmp_path / "sampled.yaml"
-        file.write_text(f"""
-- default: {{device: {DEVICE}}}
-- match: {{class: Attention}}
-  replace: {{op: attention.dsa_triton, device: {DEVICE}}}
-- match: {{class: Indexer}}
-  replace: {{op: indexer.dsa_triton, device: {DEVICE}, kwargs: {{{setting}}}}}
-""")
-        model = load_model(path, dtype=torch.float32, rules=load_rules(file))
+        model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, DEVICE, indexer=setting))
         return model(torch.arange(4, 54, device=DEVICE), new_cache(model, 64))
 
     plain = logits("")
