@@ -1,15 +1,14 @@
 """DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
 beside the plain-torch reference (glm5_offload/model/mla.py).
 
-    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep | --indexer-call-1m |
-        --topk-sampled-parts]
+    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep | --indexer-call-1m]
 
 Decode kernels take microseconds, less than Python's launch of them: they are timed eagerly and replayed
 from a CUDA graph (the GPU's own time; the engine's decode is to run from graphs). --sweep also times
 each kernel over block shapes (the defaults in kernels/dsa_triton.py come from such a sweep).
 --mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first;
---indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k;
---mla-prefill-sweep only sparse MLA prefill's block sweep; --topk-sampled-parts the steps of the sampled top-k.
+--indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k and the top-k kept
+as the scores are computed (indexer_topk); --mla-prefill-sweep only sparse MLA prefill's block sweep.
 """
 
 import json
@@ -185,57 +184,42 @@ def indexer_prefill_fp8(table: list, mm: float) -> dict:
 
 def indexer_call_1m(table: list) -> dict:
     """One call of a prefill chunk's indexer at 1M keys as the engine makes it (query_chunk: 128 queries, FP8 keys
-    and queries; positions spread over the context, so half the keys are causal on average): the scores kernel
-    against the top-2048 of its [128, 1M] scores by torch.topk (the prefill's select) and by the radix select."""
+    and queries; positions spread over the context, so half the keys are causal on average): the scores kernel and
+    the top-2048 of its [128, 1M] scores by torch.topk (the prefill's select) and by the radix select, against
+    indexer_topk (the top-k kept as the scores are computed) and its parts."""
     T = 1 << 20
     S = 2 * (1 << 26) // T
     q, keys, w, kw, _ = indexer_inputs(S, T, fp8=True)
     positions = torch.linspace(0, T - 1, S, device="cuda").long()
     scores = dsa_triton.indexer_scores(q, keys, w, positions, **kw)
+    fused = lambda: dsa_triton.indexer_topk(q, keys, w, positions, TOPK, **kw)  # noqa: E731
     rows = {"indexer_call_1m_ms": ceilings.time_ms(lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw)),
             "indexer_call_1m_torch_topk_ms": ceilings.time_ms(lambda: scores.topk(TOPK)),
             "indexer_call_1m_radix_topk_ms": ceilings.time_ms(lambda: topk_triton.topk_indices(scores, TOPK)),
-            "indexer_call_1m_sampled_topk_ms": ceilings.time_ms(lambda: topk_triton.topk_sampled(scores, TOPK))}
-    same = topk_triton.topk_sampled(scores, TOPK).sort(1).values
-    rows["indexer_call_1m_sampled_equal_set"] = bool((same == topk_triton.topk_indices(scores, TOPK).sort(1).values).all())
+            "indexer_call_1m_scores_and_torch_topk_ms": ceilings.time_ms(
+                lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw).topk(TOPK)),
+            "indexer_call_1m_fused_topk_ms": ceilings.time_ms(fused)}
+    same = fused().sort(1).values == topk_triton.topk_indices(scores, TOPK).sort(1).values
+    rows["indexer_call_1m_fused_equal_set"] = bool(same.all())
+    # the fused path's parts: the sample's scores and threshold, the candidates kernel, the candidates' top-k
+    q8, w8, _ = dsa_triton._indexer_queries(q, keys, w, kw["key_scales"], None)
+    thr = topk_triton.sample_threshold(scores[:, :: T // topk_triton.SAMPLE], T, TOPK)
+    count, cand = topk_triton.empty_candidates(S, "cuda")
+    candidates = lambda: dsa_triton._indexer(q8, keys, kw["key_scales"], w8, positions, True,  # noqa: E731
+                                             candidates=(thr, count.zero_(), cand))
+    rows["indexer_call_1m_candidates_kernel_ms"] = ceilings.time_ms(candidates)
+    rows["indexer_call_1m_candidates_min_max"] = (count.min().item(), count.max().item())
+    rows["indexer_call_1m_candidates_topk_ms"] = ceilings.time_ms(lambda: topk_triton.top_candidates(cand, TOPK))
     table.append((f"indexer prefill call, {S} queries x 1M FP8 keys (causal, spread)",
                   f"scores {rows['indexer_call_1m_ms']:.2f} ms; their top-2048: torch.topk "
                   f"{rows['indexer_call_1m_torch_topk_ms']:.2f} ms, radix select "
-                  f"{rows['indexer_call_1m_radix_topk_ms']:.2f} ms, sampled pass "
-                  f"{rows['indexer_call_1m_sampled_topk_ms']:.2f} ms (the radix select's set: "
-                  f"{rows['indexer_call_1m_sampled_equal_set']})"))
+                  f"{rows['indexer_call_1m_radix_topk_ms']:.2f} ms; scores + torch.topk "
+                  f"{rows['indexer_call_1m_scores_and_torch_topk_ms']:.2f} ms against indexer_topk "
+                  f"{rows['indexer_call_1m_fused_topk_ms']:.2f} ms (candidates kernel "
+                  f"{rows['indexer_call_1m_candidates_kernel_ms']:.2f} ms, their top-k "
+                  f"{rows['indexer_call_1m_candidates_topk_ms']:.2f} ms; the radix select's set: "
+                  f"{rows['indexer_call_1m_fused_equal_set']})"))
     return rows
-
-
-def topk_sampled_parts() -> dict:
-    """Milliseconds of each step of topk_triton.topk_sampled on one 1M prefill call's scores (128 causal rows)."""
-    S, T, k = 128, 1 << 20, TOPK
-    scores = torch.randn(S, T, device="cuda")
-    valid = torch.linspace(1000, T, S, device="cuda").long()
-    scores.masked_fill_(torch.arange(T, device="cuda")[None, :] >= valid[:, None], float("-inf"))
-    sample = scores[:, :: T // topk_triton.SAMPLE]
-    rank = -(-4 * k * sample.shape[1] // T)
-    thr = sample.topk(rank, dim=1).values[:, -1].contiguous()
-    count = torch.zeros(S, dtype=torch.int32, device="cuda")
-    cand = torch.full((S, topk_triton.CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device="cuda")
-    out = {}
-    for programs in (4, 16, 64):
-        grid, per = topk_triton.row_split(scores, programs)
-
-        def candidates():
-            count.zero_()
-            topk_triton._candidates_kernel[(S, grid)](scores, thr, count, cand, T, per, CAP=topk_triton.CAP,
-                                                      BLOCK=topk_triton.BLOCK, num_warps=8)
-        out[f"candidates_kernel_{programs}_programs_a_row_ms"] = ceilings.time_ms(candidates)
-    out["counts_min_max"] = (count.min().item(), count.max().item())
-    out["sample_threshold_ms"] = ceilings.time_ms(lambda: sample.topk(rank, dim=1).values[:, -1].contiguous())
-    out["candidates_topk_int64_ms"] = ceilings.time_ms(lambda: cand.topk(k, dim=1))
-    out["candidates_topk_int64_unsorted_ms"] = ceilings.time_ms(lambda: cand.topk(k, dim=1, sorted=False))
-    out["candidates_sort_int64_ms"] = ceilings.time_ms(lambda: cand.sort(dim=1, descending=True))
-    out["whole_ms"] = ceilings.time_ms(lambda: topk_triton.topk_sampled(scores, k))
-    out["torch_topk_ms"] = ceilings.time_ms(lambda: scores.topk(k, dim=1))
-    out["torch_topk_unsorted_ms"] = ceilings.time_ms(lambda: scores.topk(k, dim=1, sorted=False))
-    return out
 
 
 def topk(table: list, hbm: float) -> dict:
@@ -322,9 +306,6 @@ if __name__ == "__main__":
         print(json.dumps(indexer_call_1m(table)))
         for name, value in table:
             print(f"| {name} | {value} |")
-        sys.exit(0)
-    if "--topk-sampled-parts" in sys.argv:
-        print(json.dumps(topk_sampled_parts(), indent=1))
         sys.exit(0)
     if "--mla-prefill-sweep" in sys.argv:
         print(json.dumps(mla_prefill_sweep()))

@@ -183,12 +183,12 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     return out
 
 
-# Many wide rows (a prefill chunk's indexer scores): one read of each row. A strided sample of SAMPLE scores a row
-# gives a threshold that about 4k scores pass (the sample's 4k/T quantile); one pass keeps the scores at or above it
-# as candidates (with their positions, in 64-bit keys ordered as (score, lower position first)), and torch.topk of
-# the candidates is the row's top-k whenever at least k and at most CAP passed: everything left out scores below
-# everything kept. A row where the sample misled (too few or too many passed) is redone by the radix select, whose
-# programs for the other rows return at once: nothing waits for the GPU.
+# Many wide rows (a prefill chunk's indexer scores, kernels/dsa_triton.py's indexer_topk): a strided sample of SAMPLE
+# scores a row gives a threshold that about 4k scores pass (the sample's 4k/T quantile); the scores' kernel keeps
+# the scores at or above it as candidates (keep_candidates: with their positions, in 64-bit keys ordered as (score,
+# lower position first)) instead of writing the row, and torch.topk of the candidates is the row's top-k whenever at
+# least k and at most CAP passed: everything left out scores below everything kept. A row where the sample misled
+# (too few or too many passed: misled_rows) is redone from its scores by the radix select.
 SAMPLE = 4096
 CAP = 16384  # candidates kept per row: 4x the 4k expected at k 2048 (a miss needs a sample 5 sigma off)
 SAMPLED_WIDTH = 4 * CAP  # rows at least this wide take the sampled path (narrower ones: torch.topk is quick)
@@ -196,43 +196,36 @@ _NEG_INF_KEY = 0x007FFFFF  # _keys(-inf)
 
 
 @triton.jit
-def _candidates_kernel(scores_ptr, thr_ptr, count_ptr, cand_ptr, T, per_program, CAP: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    # scores [rows, T] fp32, thr [rows] fp32; count [rows] int32 (zeroed) counts the scores at or above thr (and
-    # above -inf), the first CAP of which go to cand [rows, CAP] int64 as (key ^ 2^31 as int32) << 32 | (2^32-1 - t)
-    row, p = tl.program_id(0), tl.program_id(1)
-    thr = tl.maximum(_keys(tl.load(thr_ptr + row)), 0x00800000)  # -inf is never a candidate
-    start = p * per_program
-    end = tl.minimum(start + per_program, T)
-    for first in range(start, end, BLOCK):
-        t = first + tl.arange(0, BLOCK)
-        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=t < end, other=float("-inf")))
-        take = key >= thr  # ~1% of a block: a slot each from the row's counter (no scan over the block)
-        slot = tl.atomic_add(count_ptr + row + tl.zeros((BLOCK,), tl.int32), 1, mask=take)
-        signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-        composite = (signed << 32) | (4294967295 - t.to(tl.int64))
-        tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, composite, mask=take & (slot < CAP))
+def keep_candidates(x, rows, t, ok, thr, count_ptr, cand_ptr, CAP: tl.constexpr):
+    """Scores x (a block of any shape) of rows `rows` at positions t (both int32, of x's shape) where ok: those at
+    or above their row's threshold thr (fp32, broadcast to x's shape; -inf is never a candidate) take a slot from
+    their row's counter count [rows] int32 (~1% of a block: no scan over it), and the first CAP of a row go to
+    cand [rows, CAP] int64 as (key ^ 2^31 as int32) << 32 | (2^32-1 - t)."""
+    key = _keys(x)
+    take = ok & (key >= tl.maximum(_keys(thr), 0x00800000))
+    slot = tl.atomic_add(count_ptr + rows, 1, mask=take, sem="relaxed")
+    signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+    composite = (signed << 32) | (4294967295 - t.to(tl.int64))
+    tl.store(cand_ptr + rows.to(tl.int64) * CAP + slot, composite, mask=take & (slot < CAP))
 
 
-def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """topk_indices' set for rows of scores [S, T] fp32 at least SAMPLED_WIDTH wide (and k <= CAP // 2): one read
-    of each row, see above; -1 where the score is -inf; ties at the k-th score taken lowest position first. A row
-    the sample misled (misled_rows) is redone by topk_indices. The order: by score, or topk_indices' in a row
-    redone."""
-    S, T = scores.shape
-    assert T >= SAMPLED_WIDTH and 2 * k <= CAP, (T, k)
-    scores = scores.float().contiguous()
-    sample = scores[:, :: T // SAMPLE]
+def sample_threshold(sample: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """[S] fp32: the threshold that about 4k of a row's T scores pass, from its scores at every (T // SAMPLE)-th
+    position sample [S, n] (-inf: every finite score is a candidate)."""
     rank = min(sample.shape[1], -(-4 * k * sample.shape[1] // T))
-    thr = sample.topk(rank, dim=1).values[:, -1].contiguous()  # -inf: every finite score is a candidate
-    count = torch.zeros(S, dtype=torch.int32, device=scores.device)
-    cand = torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=scores.device)
-    # 16 programs a row at least (H200, 128 rows of 2^20: 0.73 ms with 4, 0.59 with 16 or 64)
-    programs, per_program = row_split(scores, max(16, programs_wanted(scores.device) // S))
-    _candidates_kernel[(S, programs)](scores, thr, count, cand, T, per_program, CAP=CAP, BLOCK=BLOCK, num_warps=8)
+    return sample.topk(rank, dim=1).values[:, -1].contiguous()
+
+
+def empty_candidates(S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count [S] int32 zeroed, cand [S, CAP] int64 below every candidate) for keep_candidates."""
+    return (torch.zeros(S, dtype=torch.int32, device=device),
+            torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device))
+
+
+def top_candidates(cand: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions [S, k] int64 of the k highest candidates of each row, by score (-1 where it is -inf)."""
     top = cand.topk(k, dim=1).values
-    out = (0xFFFFFFFF - (top & 0xFFFFFFFF)).masked_fill_((top >> 32) < _NEG_INF_KEY + 1 - (1 << 31), -1)
-    return topk_indices(scores, k, out=out, skip=~misled_rows(count, thr, k))
+    return (0xFFFFFFFF - (top & 0xFFFFFFFF)).masked_fill_((top >> 32) < _NEG_INF_KEY + 1 - (1 << 31), -1)
 
 
 def misled_rows(count: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor:

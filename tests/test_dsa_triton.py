@@ -111,6 +111,31 @@ def test_attention_merged_over_two_row_sets_equals_attention_over_all():
     assert rel_err(o, want_o) < 1e-6 and rel_err(lse, want_lse) < 1e-6
 
 
+@pytest.mark.parametrize("splits", [1, 2])  # 1: merged in the kernel's last step; 2: in the combine kernel
+def test_sparse_mla_accumulates_a_second_row_set(splits):
+    """accumulate: the kernel merges a second key slab's attention into the first's (out and lse given), as
+    merge_attention does: the attention over every row. Row 1 has nothing in the first set, row 2 nothing in either
+    (o 0, lse -inf); row 3 nothing in the second."""
+    g = torch.Generator().manual_seed(23)
+    S, H, L, R, T, K = 4, 16, 64, 16, 200, 50
+    q_lat, q_pe = torch.randn(S, H, L, generator=g).to(DEVICE), torch.randn(S, H, R, generator=g).to(DEVICE)
+    latent = torch.randn(T, L + R, generator=g).to(DEVICE)
+    indices = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(S)]).to(DEVICE)
+    indices[2] = -1
+    first = torch.where(indices < 100, indices, -1)
+    first[1], first[3] = -1, indices[3]
+    second = torch.where(first < 0, indices, -1)
+    o, lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, first, L, 0.07, splits=splits)
+    got_o, got_lse = dsa_triton.sparse_mla(q_lat, q_pe, latent, second, L, 0.07, out=o, lse=lse, splits=splits,
+                                           accumulate=True)
+    assert got_o is o and got_lse is lse
+    want_o, want_lse = sparse_mla(q_lat, q_pe, latent, indices, L, 0.07)
+    assert rel_err(o, want_o) < 1e-5 and rel_err(lse[[0, 1, 3]], want_lse[[0, 1, 3]]) < 1e-5
+    assert (o[2] == 0).all() and (lse[2] == float("-inf")).all()
+    with pytest.raises(ValueError, match="accumulate merges into the out and lse given"):
+        dsa_triton.sparse_mla(q_lat, q_pe, latent, second, L, 0.07, accumulate=True)
+
+
 @pytest.mark.parametrize("L, splits", [(256, 1), (64, 3)])  # 256: two scales per row; 64: one
 @pytest.mark.parametrize("S", [2, 4])  # 2 x 70 rows read < 200: converted where read; 4 x 70: all converted first
 def test_sparse_mla_fp8_rows(L, splits, S):
@@ -280,15 +305,16 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
 
 def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch):
     """indexer.dsa_triton's sampled_topk: off by default; on, a prefill's wide rows (here: the widths made small)
-    take topk_sampled, and the logits stay those of torch.topk's selection; a bad value is refused in one line."""
+    take indexer_topk, and the logits stay those of torch.topk's selection; a bad value is refused in one line."""
     from glm5_offload.kernels import topk_triton
 
     path, _ = hf_checkpoint("glm_moe_dsa")
     monkeypatch.setattr(topk_triton, "SAMPLE", 8)
     monkeypatch.setattr(topk_triton, "SAMPLED_WIDTH", 32)
     calls = []
-    original = topk_triton.topk_sampled
-    monkeypatch.setattr(topk_triton, "topk_sampled", lambda *a: calls.append(a[0].shape) or original(*a))
+    original = dsa_triton.indexer_topk
+    monkeypatch.setattr(dsa_triton, "indexer_topk", lambda q, keys, *a, **kw: calls.append(keys.shape) or
+                        original(q, keys, *a, **kw))
 
     def logits(setting: str):
         model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, DEVICE, indexer=setting))
@@ -297,7 +323,7 @@ def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch)
     plain = logits("")
     assert calls == []
     sampled = logits("sampled_topk: true")
-    assert calls and all(shape[1] >= 32 for shape in calls)
+    assert calls and all(shape[0] >= 32 for shape in calls)
     torch.testing.assert_close(sampled, plain, rtol=1e-4, atol=1e-4)
     with pytest.raises(Glm5Error, match="sampled_topk must be true or false, got 'yes'"):
         logits("sampled_topk: 'yes'")

@@ -1,10 +1,11 @@
-"""The radix-select top-k kernel against torch.topk (model.mla.topk_indices): the interpreter on the CPU, a 1M-wide
-row on the GPU."""
+"""The radix-select top-k kernel against torch.topk (model.mla.topk_indices), and the indexer's top-k kept as its
+scores are computed (dsa_triton.indexer_topk): the interpreter on the CPU, 1M-wide rows on the GPU."""
 
 import pytest
 import torch
 
-from glm5_offload.kernels import topk_triton
+from glm5_offload.formats.kv_rows import quantize_keys
+from glm5_offload.kernels import dsa_triton, topk_triton
 from glm5_offload.model import topk_indices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,49 +83,68 @@ def test_a_million_wide_row_on_the_gpu(S):
     assert torch.equal(replayed, got)
 
 
-def check_sampled(scores, k, monkeypatch) -> list[bool]:
-    """topk_sampled's set against the documented one; the rows it found misled."""
+def check_indexer_topk(q, keys, w, positions, k, monkeypatch, key_scales=None, q_fp8=None) -> list[bool]:
+    """dsa_triton.indexer_topk's set against the documented one of the same kernel's scores; the rows it found
+    misled."""
     misled = []
     original = topk_triton.misled_rows
     monkeypatch.setattr(topk_triton, "misled_rows", lambda *a: misled.append(original(*a)) or misled[-1])
-    got = topk_triton.topk_sampled(scores, k)
-    ranked = scores.cpu().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))  # NaN first
-    want = expected(ranked, k).to(scores.device)  # torch.topk's set, ties taken lowest position first
-    assert torch.equal(got.sort(1).values, want.sort(1).values)  # (and as many -1s)
+    got = dsa_triton.indexer_topk(q, keys, w, positions, k, key_scales=key_scales, q_fp8=q_fp8)
+    scores = dsa_triton.indexer_scores(q, keys, w, positions, key_scales=key_scales, q_fp8=q_fp8)
+    want = expected(scores.cpu(), k).to(q.device)  # torch.topk's set, ties taken lowest position first
+    assert got.shape == want.shape and torch.equal(got.sort(1).values, want.sort(1).values)  # (and as many -1s)
     return misled[0].tolist()
 
 
-def test_sampled_topk_equals_torch(monkeypatch):
-    """Wide rows (a prefill chunk's indexer scores): random, causal (a row with fewer valid scores than k), many
-    ties at the k-th value, negative, one NaN; none needs the radix select."""
-    T, k = topk_triton.SAMPLED_WIDTH + 1234, 2048
-    scores = random_scores(4, T, seed=7)
-    scores[2, 1500:] = float("-inf")
-    scores[3, 17] = float("nan")
-    assert check_sampled(scores.to(DEVICE), k, monkeypatch) == [False] * 4
+def indexer_inputs(S, H, D, T, seed, fp8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16)
+    keys = torch.randn(T, D, generator=g).to(DEVICE)
+    w = torch.rand(S, H, generator=g).to(DEVICE)
+    if fp8:
+        return (q, *quantize_keys(keys), w)
+    return q, keys.bfloat16(), None, w
 
 
-def test_rows_the_sample_misleads_are_redone(monkeypatch):
-    """Row 0: equal scores but 3000 off the sample's stride (every score passes the threshold: more than CAP);
-    row 1: its highest scores exactly on the stride (too few pass); row 2 ordinary."""
-    T, k = topk_triton.SAMPLED_WIDTH + 1234, 2048
-    g = torch.Generator().manual_seed(8)
-    scores = torch.randn(3, T, generator=g)
+@pytest.fixture
+def small_sample(monkeypatch):
+    """The sampled top-k's sizes cut by 16 (the interpreter is slow; the GPU test below takes the real ones):
+    (T, k) with T past the sampled width."""
+    monkeypatch.setattr(topk_triton, "SAMPLE", 256)
+    monkeypatch.setattr(topk_triton, "CAP", 1024)
+    monkeypatch.setattr(topk_triton, "SAMPLED_WIDTH", 4096)
+    return 4096 + 1234, 128
+
+
+@pytest.mark.parametrize("fp8, q_fp8", [(False, None), (True, False), (True, True)])
+def test_indexer_topk_equals_the_scores_top_k(monkeypatch, small_sample, fp8, q_fp8):
+    """A prefill chunk's queries over wide rows: random, one with fewer valid keys than k (causal), one past the
+    middle; bf16 keys, FP8 keys, FP8 queries too. No row needs the radix select."""
+    T, k = small_sample
+    q, keys, scales, w = indexer_inputs(4, 4, 32, T, seed=7, fp8=fp8)
+    positions = torch.tensor([T - 1, 100, 3000, T - 3], device=DEVICE)
+    assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales, q_fp8) == [False] * 4
+
+
+def test_rows_the_sample_misleads_are_redone(monkeypatch, small_sample):
+    """Query 0 scores every key 0 (all pass the threshold: more than CAP; its top-k: the lowest positions); query 1
+    sees 60 keys on the sample's stride scaled up (its threshold among them: fewer than k pass); query 2, before
+    those keys, is ordinary."""
+    T, k = small_sample
+    q, keys, scales, w = indexer_inputs(3, 4, 32, T, seed=8, fp8=True)
+    q[0] = 0.0
     stride = T // topk_triton.SAMPLE
-    off_grid = torch.randperm(T, generator=g)[:3000]
-    scores[0] = 0.0
-    scores[0, off_grid[off_grid % stride != 0]] = 1.0
-    scores[1, ::stride] += 10.0
-    assert check_sampled(scores.to(DEVICE), k, monkeypatch) == [True, True, False]
+    scales[3000 // stride * stride :: stride][:60] *= 1e4
+    positions = torch.tensor([T - 1, T - 2, 2000], device=DEVICE)
+    assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales) == [True, True, False]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_sampled_topk_of_a_prefill_call_on_the_gpu(monkeypatch):
-    """Real sizes: 128 rows of 2^20 (one indexer call of a 1M prefill), causal: row r valid up to a position
-    spread over the context."""
+def test_indexer_topk_of_a_prefill_call_on_the_gpu(monkeypatch):
+    """Real sizes: 128 queries (one indexer call of a 1M prefill) of 32 heads x 128 over 2^20 FP8 keys, their
+    positions spread over the context; FP8 queries (the H200's default)."""
     T = 1 << 20
-    scores = torch.randn(128, T, device="cuda") * torch.rand(128, 1, device="cuda") * 100
-    valid = torch.linspace(1000, T, 128, device="cuda").long()
-    scores.masked_fill_(torch.arange(T, device="cuda")[None, :] >= valid[:, None], float("-inf"))
-    assert check_sampled(scores, 2048, monkeypatch) == [False] * 128
+    q, keys, scales, w = indexer_inputs(128, 32, 128, T, seed=3, fp8=True)
+    positions = torch.linspace(1000, T - 1, 128, device="cuda").long()
+    assert check_indexer_topk(q, keys, w, positions, 2048, monkeypatch, scales) == [False] * 128

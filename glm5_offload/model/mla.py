@@ -85,10 +85,12 @@ class Indexer(nn.Module):
         self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, positions)
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
         chunk = self.query_chunk(end)
-        return torch.cat([
-            self.select(self.scores(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end))
-            for s in range(0, S, chunk)
-        ])
+        return torch.cat([self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end)
+                          for s in range(0, S, chunk)])
+
+    def top(self, q, keys, weights, positions, end: int):
+        """The selected positions [S, min(topk, end)] of the queries at positions [S]: select of their scores."""
+        return self.select(self.scores(q, keys, weights, positions, end))
 
     def select(self, scores):
         """The top index_topk positions of each row of scores [S, T] (topk_indices; indexer.dsa_triton's kernel
@@ -175,11 +177,16 @@ class Attention(nn.Module):
         self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
 
-    def attend(self, q_lat, q_pe, latent, indices, span=None):
+    def attend(self, q_lat, q_pe, latent, indices, span=None, into=None):
         """Sparse MLA over the selected latent rows -> (o [S, H, kv_lora_rank], lse [S, H]) fp32 (plain torch
         here). span [S, 2] int32, if given: the run of each row of indices that holds its valid ones (a kernel may
-        read only that)."""
-        return sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
+        read only that). into: (o, lse) over other rows (an earlier key slab's), merged with these in place and
+        returned."""
+        part = sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale)
+        if into is None:
+            return part
+        merge_attention(*into, *part)
+        return into
 
     def forward(self, x, cos, sin, cache, positions, end: int, shared_indices):
         """x [S, hidden] at positions [S] (int64, on x's device), end >= positions[-1] + 1 (Indexer.forward)
@@ -205,14 +212,10 @@ class Attention(nn.Module):
             indices = shared_indices
         w = self.kv_b_weight(x)
         q_lat = self.absorb_query(q_nope, w)
-        o = lse = None
+        o_lse = None  # a key slab of the cache after the first merges into the earlier ones' attention
         for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
-            part = self.attend(q_lat, q_pe, latent, rows, runs)
-            if o is None:
-                o, lse = part
-            else:  # a key slab of the cache after the first: merged by log-sum-exp
-                merge_attention(o, lse, *part)
-        out = self.absorb_output(o, w).to(x.dtype)
+            o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
+        out = self.absorb_output(o_lse[0], w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
 
     def kv_b_weight(self, x):

@@ -24,7 +24,7 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
-    sampled_topk = False  # the rule's kwarg: a prefill's wide score rows take topk_sampled
+    sampled_topk = False  # the rule's kwarg: a prefill's wide rows take dsa_triton.indexer_topk
 
     def scores(self, q, keys, weights, positions, end):
         if isinstance(keys, FP8Keys):
@@ -39,13 +39,22 @@ class TritonIndexer(Indexer):
         dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values, keys.scales,
                                       rows=positions)
 
+    def top(self, q, keys, weights, positions, end):
+        """With sampled_topk, a prefill's rows of enough keys: their top-k kept as the scores are computed
+        (dsa_triton.indexer_topk: the scores never go through memory)."""
+        wide = end >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP
+        if not (self.sampled_topk and wide and q.shape[0] > RADIX_ROWS):
+            return super().top(q, keys, weights, positions, end)
+        if isinstance(keys, FP8Keys):
+            return dsa_triton.indexer_topk(q, keys.values[:end], weights, positions, self.topk,
+                                           key_scales=keys.scales[:end], q_fp8=None if self.fp8_queries else False)
+        return dsa_triton.indexer_topk(q, keys[:end], weights, positions, self.topk)
+
     def select(self, scores):
         """Decode rows (up to 4) by the radix select; more at once (a prefill's) by torch.topk, faster there than the
-        radix select (bench/RESULTS.md), or with sampled_topk by one sampled pass over rows wide enough."""
+        radix select (bench/RESULTS.md)."""
         if scores.shape[0] <= RADIX_ROWS:
             return topk_triton.topk_indices(scores, self.topk)
-        if self.sampled_topk and scores.shape[1] >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP:
-            return topk_triton.topk_sampled(scores, self.topk)
         return super().select(scores)
 
     def query_chunk(self, n_keys: int) -> int:
@@ -64,8 +73,10 @@ class TritonPooledIndexer(PooledIndexer):
 
 
 class TritonAttention(Attention):
-    def attend(self, q_lat, q_pe, latent, indices, span=None):
-        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span)
+    def attend(self, q_lat, q_pe, latent, indices, span=None, into=None):
+        o, lse = (None, None) if into is None else into
+        return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span, out=o,
+                                     lse=lse, accumulate=into is not None)
 
     def kv_b_weight(self, x):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it
