@@ -290,9 +290,15 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, range_ptr, out_ptr, lse
     q_r = tl.load(qr_ptr + (s * H + h[:, None]) * R + lr[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     if CAST:
         q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, L), tl.float32)
+    out_ptrs = out_ptr + ((split * S + s) * H + h[:, None]) * L + lc[None, :]
+    if ACCUMULATE:  # the online softmax goes on from the other rows' (o, lse): max lse, sum 1, accumulator o
+        m = tl.load(lse_ptr + s * H + h, mask=h_ok, other=float("-inf"))
+        l = tl.where(m == float("-inf"), 0.0, 1.0)
+        acc = tl.load(out_ptrs, mask=h_ok[:, None], other=0.0)
+    else:
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, L), tl.float32)
     k_begin = split * rows_per_split
     k_end = tl.minimum(k_begin + rows_per_split, K)
     if RANGED:
@@ -328,27 +334,9 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, range_ptr, out_ptr, lse
         m = m_new
     empty = l == 0.0  # no valid row in this split: weight 0 when the splits are combined
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l)[:, None])
-    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
-    base = split * S + s
-    out_ptrs = out_ptr + (base * H + h[:, None]) * L + lc[None, :]
-    if ACCUMULATE:
-        before, now, lse = _merge_weights(tl.load(lse_ptr + base * H + h, mask=h_ok, other=float("-inf")), lse)
-        out = tl.load(out_ptrs, mask=h_ok[:, None], other=0.0) * before[:, None] + out * now[:, None]
     tl.store(out_ptrs, out, mask=h_ok[:, None])
-    tl.store(lse_ptr + base * H + h, lse, mask=h_ok)
-
-
-@triton.jit
-def _merge_weights(lse, lse2):
-    """Two row sets' attentions from each one's log-sum-exp: (the first's weight, the second's, the merged
-    lse), each set weighted by its share of the summed exponentials (model.mla.merge_attention); both weights
-    0 and lse -inf where neither has a row."""
-    top = tl.maximum(lse, lse2)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w, w2 = tl.exp(lse - top), tl.exp(lse2 - top)
-    total = w + w2
-    norm = tl.where(total == 0.0, 1.0, total)
-    return w / norm, w2 / norm, top + tl.log(total)
+    tl.store(lse_ptr + (split * S + s) * H + h, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l))),
+             mask=h_ok)
 
 
 @triton.jit
@@ -359,18 +347,17 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SP
     r = tl.program_id(0)
     sp, lc = tl.arange(0, SPLITS), tl.arange(0, L)
     lse = tl.load(part_lse_ptr + sp * SH + r, mask=sp < splits, other=float("-inf"))  # -inf: split without a row
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # no split with a row (a key slab's): o 0, lse -inf
-    w = tl.exp(lse - top)
-    total = tl.sum(w, axis=0)
+    prior = tl.load(lse_ptr + r) if ACCUMULATE else float("-inf")
+    top = tl.maximum(tl.max(lse, axis=0), prior)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no row in any part (a key slab's): o 0, lse -inf
+    w, w_prior = tl.exp(lse - top), tl.exp(prior - top)
+    total = tl.sum(w, axis=0) + w_prior
     o = tl.load(part_out_ptr + (sp[:, None] * SH + r) * L + lc[None, :], mask=(sp < splits)[:, None], other=0.0)
-    o = tl.sum(o * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    lse = top + tl.log(total)
+    o = tl.sum(o * w[:, None], axis=0)
     if ACCUMULATE:
-        before, now, lse = _merge_weights(tl.load(lse_ptr + r), lse)
-        o = tl.load(out_ptr + r * L + lc) * before + o * now
-    tl.store(out_ptr + r * L + lc, o)
-    tl.store(lse_ptr + r, lse)
+        o += tl.load(out_ptr + r * L + lc) * w_prior
+    tl.store(out_ptr + r * L + lc, o / tl.where(total == 0.0, 1.0, total))
+    tl.store(lse_ptr + r, top + tl.log(total))
 
 
 @triton.jit
