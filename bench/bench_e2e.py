@@ -1,7 +1,7 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
-        [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
+        [--rules glm5 --gpu-ring 256 --no-sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
         [--peer all,offload] [--prefill-only] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
@@ -126,7 +126,8 @@ def main(argv=None):
     parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int, help="experts.numba's gpu_ring in every experts rule: experts the "
                                                      "GPU holds at once for long chunks (256: a whole GLM-5 layer)")
-    parser.add_argument("--sampled-topk", action="store_true", help="indexer.dsa_triton's sampled_topk in the rules")
+    parser.add_argument("--sampled-topk", action=argparse.BooleanOptionalAction,
+                        help="indexer.dsa_triton's sampled_topk in the rules (default: the rule file's)")
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=16384)
@@ -139,8 +140,8 @@ def main(argv=None):
     rules = load_rules(args.rules)
     if args.gpu_ring:
         rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
-    if args.sampled_topk:
-        rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": True}, "--sampled-topk")
+    if args.sampled_topk is not None:
+        rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": args.sampled_topk}, "--sampled-topk")
     runs, moe, configs, fmt, peers = {}, {}, {}, None, []
     for n in counts:
         model_dir = Path(args.dir) if len(counts) == 1 else Path(args.dir) / f"{n}-layers"

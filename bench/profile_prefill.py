@@ -2,7 +2,7 @@
 rows before it random, as bench_context fills them: no prefill of them), its kernels by GPU time.
 
     PYTHONPATH=.:bench python3 bench/profile_prefill.py --dir /tmp/g52 [--preset glm-5.2 --layers 2 --fp8]
-        [--rules glm5 --gpu-ring 256 --sampled-topk] [--context 1048576] [--chunk 65536] [--rows 30]
+        [--rules glm5 --gpu-ring 256 --no-sampled-topk] [--context 1048576] [--chunk 65536] [--rows 30]
 """
 
 import argparse
@@ -28,7 +28,8 @@ def main(argv=None):
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int)
-    parser.add_argument("--sampled-topk", action="store_true")
+    parser.add_argument("--sampled-topk", action=argparse.BooleanOptionalAction,
+                        help="indexer.dsa_triton's sampled_topk in the rules (default: the rule file's)")
     parser.add_argument("--device")
     parser.add_argument("--context", type=int, default=1 << 20)
     parser.add_argument("--chunk", type=int, default=65536)
@@ -40,8 +41,8 @@ def main(argv=None):
     rules = load_rules(args.rules)
     if args.gpu_ring:
         rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
-    if args.sampled_topk:
-        rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": True}, "--sampled-topk")
+    if args.sampled_topk is not None:
+        rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": args.sampled_topk}, "--sampled-topk")
     model = load_model(args.dir, rules=rules, device=args.device, max_seq_len=args.context)
     engine = Engine(model, max_seq_len=args.context, prefill_chunk=args.chunk)
     before = args.context - args.chunk
