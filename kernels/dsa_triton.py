@@ -99,8 +99,8 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, thr_ptr, coun
         scores = tl.where(cols[None, :] > pos[:, None], float("-inf"), scores)
         ok = (s[:, None] < S) & (cols[None, :] < T)
         if CANDIDATES:
-            keep_candidates(scores, s, cols[None, :], ok, tl.load(thr_ptr + s, mask=s < S, other=float("inf")),
-                            count_ptr, cand_ptr, CAP, KEYS_AXIS=1)
+            keep_candidates(scores, s[:, None] + 0 * cols[None, :], cols[None, :], ok,
+                            tl.load(thr_ptr + s, mask=s < S, other=0.0)[:, None], count_ptr, cand_ptr, CAP)
         else:
             tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=ok)
 
@@ -159,8 +159,8 @@ def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, thr_ptr, 
         scores = tl.where(cols[:, None] > pos[None, :], float("-inf"), scores)
         ok = s_ok[None, :] & (cols[:, None] < T)
         if CANDIDATES:
-            keep_candidates(scores, s, cols[:, None], ok, tl.load(thr_ptr + s, mask=s_ok, other=float("inf")),
-                            count_ptr, cand_ptr, CAP, KEYS_AXIS=0)
+            keep_candidates(scores, s[None, :] + 0 * cols[:, None], cols[:, None], ok,
+                            tl.load(thr_ptr + s, mask=s_ok, other=0.0)[None, :], count_ptr, cand_ptr, CAP)
         else:
             tl.store(out_ptr + s[None, :] * T + cols[:, None], scores, mask=ok)
 

@@ -196,21 +196,17 @@ _NEG_INF_KEY = 0x007FFFFF  # _keys(-inf)
 
 
 @triton.jit
-def keep_candidates(x, rows, t, ok, thr, count_ptr, cand_ptr, CAP: tl.constexpr, KEYS_AXIS: tl.constexpr):
-    """A 2-D block x of scores, positions t along KEYS_AXIS (int32, broadcast to x), rows `rows` [n] int32 along
-    the other axis, ok: the valid ones. Those at or above their row's threshold thr [n] fp32 (-inf is never a
-    candidate) take slots from their row's counter count [rows] int32, one atomic a row and block (~1% of a block
-    passes), and the first CAP of a row go to cand [rows, CAP] int64 as (key ^ 2^31 as int32) << 32 | (2^32-1 - t)."""
+def keep_candidates(x, rows, t, ok, thr, count_ptr, cand_ptr, CAP: tl.constexpr):
+    """Scores x (a block of any shape) of rows `rows` at positions t (both int32, of x's shape) where ok: those at
+    or above their row's threshold thr (fp32, broadcast to x's shape; -inf is never a candidate) take a slot from
+    their row's counter count [rows] int32 (~1% of a block: no scan over it), and the first CAP of a row go to
+    cand [rows, CAP] int64 as (key ^ 2^31 as int32) << 32 | (2^32-1 - t)."""
     key = _keys(x)
-    take = ok & (key >= tl.expand_dims(tl.maximum(_keys(thr), 0x00800000), KEYS_AXIS))
-    taken = take.to(tl.int32)
-    n = tl.sum(taken, axis=KEYS_AXIS)
-    base = tl.atomic_add(count_ptr + rows, n, mask=n > 0, sem="relaxed")
-    slot = tl.expand_dims(base, KEYS_AXIS) + tl.cumsum(taken, axis=KEYS_AXIS) - taken
+    take = ok & (key >= tl.maximum(_keys(thr), 0x00800000))
+    slot = tl.atomic_add(count_ptr + rows, 1, mask=take, sem="relaxed")
     signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
     composite = (signed << 32) | (4294967295 - t.to(tl.int64))
-    tl.store(cand_ptr + tl.expand_dims(rows, KEYS_AXIS).to(tl.int64) * CAP + slot, composite,
-             mask=take & (slot < CAP))
+    tl.store(cand_ptr + rows.to(tl.int64) * CAP + slot, composite, mask=take & (slot < CAP))
 
 
 def sample_threshold(sample: torch.Tensor, T: int, k: int) -> torch.Tensor:
