@@ -1,7 +1,7 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
-        [--rules glm5 --gpu-ring 256 --no-sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
+        [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
         [--peer all,offload] [--prefill-only] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5

@@ -2,7 +2,7 @@
 rows before it random, as bench_context fills them: no prefill of them), its kernels by GPU time.
 
     PYTHONPATH=.:bench python3 bench/profile_prefill.py --dir /tmp/g52 [--preset glm-5.2 --layers 2 --fp8]
-        [--rules glm5 --gpu-ring 256 --no-sampled-topk] [--context 1048576] [--chunk 65536] [--rows 30]
+        [--rules glm5 --gpu-ring 256 --sampled-topk] [--context 1048576] [--chunk 65536] [--rows 30]
 """
 
 import argparse

@@ -304,8 +304,8 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
 
 
 def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch):
-    """indexer.dsa_triton's sampled_topk: on by default, a prefill's wide rows (here: the widths made small) take
-    indexer_topk, and the logits stay those of torch.topk's selection (false); a bad value is refused in one line."""
+    """indexer.dsa_triton's sampled_topk: off by default; on, a prefill's wide rows (here: the widths made small)
+    take indexer_topk, and the logits stay those of torch.topk's selection; a bad value is refused in one line."""
     from glm5_offload.kernels import topk_triton
 
     path, _ = hf_checkpoint("glm_moe_dsa")
@@ -320,9 +320,9 @@ def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch)
         model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, DEVICE, indexer=setting))
         return model(torch.arange(4, 54, device=DEVICE), new_cache(model, 64))
 
-    plain = logits("sampled_topk: false")
+    plain = logits("")
     assert calls == []
-    sampled = logits("")
+    sampled = logits("sampled_topk: true")
     assert calls and all(shape[0] >= 32 for shape in calls)
     torch.testing.assert_close(sampled, plain, rtol=1e-4, atol=1e-4)
     with pytest.raises(Glm5Error, match="sampled_topk must be true or false, got 'yes'"):

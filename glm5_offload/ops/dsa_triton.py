@@ -3,8 +3,8 @@ in Triton kernels (kernels/dsa_triton.py).
 
 Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
 indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
-rows over 64K keys and more as the scores kernel computes them (indexer_topk), shorter ones and the pooled
-indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
+rows and the pooled indexer's (index_kpool times shorter) with torch.topk, or with sampled_topk a prefill's rows
+over 64K keys as the scores kernel computes them (indexer_topk). FP8 indexer keys are roped and quantised
 by one kernel straight into the cache rows.
 """
 
@@ -25,7 +25,7 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
-    sampled_topk = True  # the rule's kwarg: a prefill's wide rows take dsa_triton.indexer_topk
+    sampled_topk = False  # the rule's kwarg: a prefill's wide rows take dsa_triton.indexer_topk
 
     def scores(self, q, keys, weights, positions, end):
         if isinstance(keys, FP8Keys):
@@ -111,13 +111,14 @@ class TritonAttention(Attention):
 class TritonIndexerOperator(IndexerOperator):
     """kwargs: fp8_queries (default true): over FP8 keys on a GPU with FP8 tensor cores, a prefill chunk's queries go
     to e4m3 per (query, head) and the scores take FP8 dots, as DeepSeek's indexer and vLLM's do (faster; selections
-    near a tie can differ from bf16 queries'); false keeps them in the compute dtype. sampled_topk (default true): a
+    near a tie can differ from bf16 queries'); false keeps them in the compute dtype. sampled_topk (default false): a
     prefill's queries over 65536 keys and more keep their top-k as the scores are computed (dsa_triton.indexer_topk:
-    the same set as torch.topk's, the [queries, keys] scores never written; bench/RESULTS.md has a 1M prefill with
-    and without); false scores into memory and takes torch.topk."""
+    the same set as torch.topk's, the [queries, keys] scores never written). Over a whole 1M prefill on the H200 it
+    measured within run-to-run noise of torch.topk's (bench/RESULTS.md: 291 s against 308 s of indexer in one call,
+    309 s against 293 s in another), so it stays off."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
-        parsed = {name: kwargs.get(name, default) for name, default in (("fp8_queries", True), ("sampled_topk", True))}
+        parsed = {name: kwargs.get(name, default) for name, default in (("fp8_queries", True), ("sampled_topk", False))}
         for name, value in parsed.items():
             if not isinstance(value, bool):
                 raise Glm5Error(f"{name} must be true or false, got {value!r}")
