@@ -126,7 +126,8 @@ def test_indexer_topk_equals_the_scores_top_k(monkeypatch, small_sample, fp8, q_
     assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales, q_fp8) == [False] * 4
 
 
-def test_rows_the_sample_misleads_are_redone(monkeypatch, small_sample):
+@pytest.mark.parametrize("q_fp8", [None, True])  # None: bf16 queries here (3 rows); True: the FP8 kernel's redo
+def test_rows_the_sample_misleads_are_redone(monkeypatch, small_sample, q_fp8):
     """Query 0 scores every key 0 (all pass the threshold: more than CAP; its top-k: the lowest positions); query 1
     sees 60 keys on the sample's stride scaled up (its threshold among them: fewer than k pass); query 2, before
     those keys, is ordinary."""
@@ -136,7 +137,7 @@ def test_rows_the_sample_misleads_are_redone(monkeypatch, small_sample):
     stride = T // topk_triton.SAMPLE
     scales[3000 // stride * stride :: stride][:60] *= 1e4
     positions = torch.tensor([T - 1, T - 2, 2000], device=DEVICE)
-    assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales) == [True, True, False]
+    assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales, q_fp8) == [True, True, False]
 
 
 @pytest.mark.gpu
