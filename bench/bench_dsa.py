@@ -7,8 +7,8 @@ Decode kernels take microseconds, less than Python's launch of them: they are ti
 from a CUDA graph (the GPU's own time; the engine's decode is to run from graphs). --sweep also times
 each kernel over block shapes (the defaults in kernels/dsa_triton.py come from such a sweep).
 --mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first;
---indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k and the top-k kept
-as the scores are computed (indexer_topk); --mla-prefill-sweep only sparse MLA prefill's block sweep.
+--indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k (torch.topk, the
+radix select, topk_sampled and its parts); --mla-prefill-sweep only sparse MLA prefill's block sweep.
 """
 
 import json
@@ -185,40 +185,44 @@ def indexer_prefill_fp8(table: list, mm: float) -> dict:
 def indexer_call_1m(table: list) -> dict:
     """One call of a prefill chunk's indexer at 1M keys as the engine makes it (query_chunk: 128 queries, FP8 keys
     and queries; positions spread over the context, so half the keys are causal on average): the scores kernel and
-    the top-2048 of its [128, 1M] scores by torch.topk (the prefill's select) and by the radix select, against
-    indexer_topk (the top-k kept as the scores are computed) and its parts."""
+    the top-2048 of its [128, 1M] scores by torch.topk, the radix select and topk_triton.topk_sampled (the
+    prefill's select) with its parts, beside a read of the scores (amax: the bandwidth such a pass can reach)."""
     T = 1 << 20
     S = 2 * (1 << 26) // T
     q, keys, w, kw, _ = indexer_inputs(S, T, fp8=True)
     positions = torch.linspace(0, T - 1, S, device="cuda").long()
     scores = dsa_triton.indexer_scores(q, keys, w, positions, **kw)
-    fused = lambda: dsa_triton.indexer_topk(q, keys, w, positions, TOPK, **kw)  # noqa: E731
     rows = {"indexer_call_1m_ms": ceilings.time_ms(lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw)),
             "indexer_call_1m_torch_topk_ms": ceilings.time_ms(lambda: scores.topk(TOPK)),
             "indexer_call_1m_radix_topk_ms": ceilings.time_ms(lambda: topk_triton.topk_indices(scores, TOPK)),
-            "indexer_call_1m_scores_and_torch_topk_ms": ceilings.time_ms(
-                lambda: dsa_triton.indexer_scores(q, keys, w, positions, **kw).topk(TOPK)),
-            "indexer_call_1m_fused_topk_ms": ceilings.time_ms(fused)}
-    same = fused().sort(1).values == topk_triton.topk_indices(scores, TOPK).sort(1).values
-    rows["indexer_call_1m_fused_equal_set"] = bool(same.all())
-    # the fused path's parts: the sample's scores and threshold, the candidates kernel, the candidates' top-k
-    q8, w8, _ = dsa_triton._indexer_queries(q, keys, w, kw["key_scales"], None)
+            "indexer_call_1m_sampled_topk_ms": ceilings.time_ms(lambda: topk_triton.topk_sampled(scores, TOPK)),
+            "indexer_call_1m_scores_read_ms": ceilings.time_ms(lambda: scores.amax(1))}
+    same = topk_triton.topk_sampled(scores, TOPK).sort(1).values == topk_triton.topk_indices(scores, TOPK).sort(1).values
+    rows["indexer_call_1m_sampled_equal_set"] = bool(same.all())
+    # topk_sampled's parts: the sample's threshold, the candidates kernel, the candidates' top-k
     thr = topk_triton.sample_threshold(scores[:, :: T // topk_triton.SAMPLE], T, TOPK)
-    count, cand = topk_triton.empty_candidates(S, "cuda")
-    candidates = lambda: dsa_triton._indexer(q8, keys, kw["key_scales"], w8, positions, True,  # noqa: E731
-                                             candidates=(thr, count.zero_(), cand))
+    rows["indexer_call_1m_threshold_ms"] = ceilings.time_ms(
+        lambda: topk_triton.sample_threshold(scores[:, :: T // topk_triton.SAMPLE], T, TOPK))
+    count = torch.zeros(S, dtype=torch.int32, device="cuda")
+    cand = torch.full((S, topk_triton.CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device="cuda")
+    block = topk_triton.CANDIDATE_ROWS * topk_triton.CANDIDATE_WIDTH
+    per_program = triton.cdiv(triton.cdiv(T, topk_triton.CANDIDATE_PROGRAMS), block) * block
+    candidates = lambda: topk_triton._candidates_kernel[(S, triton.cdiv(T, per_program))](  # noqa: E731
+        scores, thr, count.zero_(), cand, T, per_program, ROWS=topk_triton.CANDIDATE_ROWS,
+        WIDTH=topk_triton.CANDIDATE_WIDTH, CAP=topk_triton.CAP, num_warps=4)
     rows["indexer_call_1m_candidates_kernel_ms"] = ceilings.time_ms(candidates)
     rows["indexer_call_1m_candidates_min_max"] = (count.min().item(), count.max().item())
     rows["indexer_call_1m_candidates_topk_ms"] = ceilings.time_ms(lambda: topk_triton.top_candidates(cand, TOPK))
     table.append((f"indexer prefill call, {S} queries x 1M FP8 keys (causal, spread)",
                   f"scores {rows['indexer_call_1m_ms']:.2f} ms; their top-2048: torch.topk "
                   f"{rows['indexer_call_1m_torch_topk_ms']:.2f} ms, radix select "
-                  f"{rows['indexer_call_1m_radix_topk_ms']:.2f} ms; scores + torch.topk "
-                  f"{rows['indexer_call_1m_scores_and_torch_topk_ms']:.2f} ms against indexer_topk "
-                  f"{rows['indexer_call_1m_fused_topk_ms']:.2f} ms (candidates kernel "
-                  f"{rows['indexer_call_1m_candidates_kernel_ms']:.2f} ms, their top-k "
-                  f"{rows['indexer_call_1m_candidates_topk_ms']:.2f} ms; the radix select's set: "
-                  f"{rows['indexer_call_1m_fused_equal_set']})"))
+                  f"{rows['indexer_call_1m_radix_topk_ms']:.2f} ms, topk_sampled "
+                  f"{rows['indexer_call_1m_sampled_topk_ms']:.2f} ms (threshold "
+                  f"{rows['indexer_call_1m_threshold_ms']:.2f}, candidates kernel "
+                  f"{rows['indexer_call_1m_candidates_kernel_ms']:.2f}, their top-k "
+                  f"{rows['indexer_call_1m_candidates_topk_ms']:.2f}; the radix select's set: "
+                  f"{rows['indexer_call_1m_sampled_equal_set']}); a read of the scores "
+                  f"{rows['indexer_call_1m_scores_read_ms']:.2f} ms"))
     return rows
 
 

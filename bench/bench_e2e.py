@@ -192,12 +192,13 @@ def main(argv=None):
                   f"{p['projected_ms_per_token']:.0f} | {p['projected_tok_s']:.2f} | {bound} |")
     prefill_rows = prefill_projection(results[-1]["prefill_split_s"], configs[counts[0]])
     print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of {args.prefill_chunk})")
-    print("| model | context | indexer s | rest of attention and other s | experts s | projected prefill |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| model | context | indexer s | rest of attention and other s | experts s | dense MLPs s | projected prefill |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for p in prefill_rows:
         parts = p["parts_s"]
-        print(f"| {p['target']} | {results[-1]['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | {parts['experts']:.0f} | "
-              f"{p['projected_prefill_s']:.0f} s ({p['projected_prefill_s'] / 60:.1f} min) |")
+        print(f"| {p['target']} | {results[-1]['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | "
+              f"{parts['experts']:.0f} | {parts['dense']:.0f} | {p['projected_prefill_s']:.0f} s "
+              f"({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "peers": peers, "read_gb_s": read_gb_s, "marginal_layer":
                                                marginal, "projection": rows, "prefill_projection": prefill_rows}, indent=1))

@@ -140,7 +140,8 @@ def main(argv=None):
             dsa_s = (split["attention"] - n_kda * kda_s) / n_dsa
             prefill_s = (dsa_s * len(target.full_layers) + kda_s * len(target.kda_layers)
                          + split["experts"] / args.layers * len(target.moe_layers)
-                         + (split["other"] + split["transfers"]) / args.layers * target.num_hidden_layers)
+                         + (split["other"] + split["dense"] + split["transfers"]) / args.layers
+                         * target.num_hidden_layers)  # the dense MLP charged to every layer: conservative
             r["projection"] = {"decode_tok_s": projected, "host_bound_tok_s": bound, "of_bound": projected / bound,
                                "prefill_s_full_model": prefill_s, "dsa_layer_prefill_s": dsa_s,
                                "kda_layer_prefill_s": kda_s}

@@ -33,7 +33,7 @@ from .runtime.engine import Engine
 from .runtime.saved_context import load_context, save_context
 from .util import Timeline
 
-PARTS = ("attention", "experts", "transfers")
+PARTS = ("attention", "experts", "transfers", "dense")  # dense: the dense layers' MLPs
 PROJECTED_MODELS = {"glm_moe_dsa": ("glm-5", "glm-5.2"), "deepseek_v32": ("deepseek-v3.2",)}  # presets, by kind
 # what a layer's cost depends on: a projection scales a measured layer to a target with all of them equal
 LAYER_DIMS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
@@ -66,21 +66,25 @@ def prefill_split(engine: Engine, prompt: list[int]) -> dict[str, float]:
 def prefill_projection(split: dict[str, float], config) -> list[dict]:
     """A prefill's split (prefill_split) scaled per layer kind to the full models of config's kind whose layers
     have its dims (PROJECTED_MODELS, LAYER_DIMS): the indexer per full-indexer layer, the rest of attention and
-    the unmarked work per layer, the experts and their transfers per MoE layer. [] where no such model exists."""
+    the unmarked work per layer, the experts and their transfers per MoE layer, the dense MLP per dense layer.
+    [] where no such model exists."""
     full = config.indexer_types.count("full")
-    if config.model_type not in PROJECTED_MODELS or not full or not config.moe_layers:
+    dense = config.num_hidden_layers - len(config.moe_layers)
+    if config.model_type not in PROJECTED_MODELS or not full or not config.moe_layers or not dense:
         return []
     dims = lambda c: [getattr(c, name) for name in LAYER_DIMS]  # noqa: E731
     indexer_per_full = split["of which indexer"] / full
     rest_per_layer = (split["attention"] - split["of which indexer"] + split["other"]) / config.num_hidden_layers
     experts_per_moe = (split["experts"] + split["transfers"]) / len(config.moe_layers)
+    dense_per_layer = split["dense"] / dense
     rows = []
     for name in PROJECTED_MODELS[config.model_type]:
         t = load_config(name)
         if dims(t) != dims(config):
             continue
         parts = {"indexer": t.indexer_types.count("full") * indexer_per_full,
-                 "rest": t.num_hidden_layers * rest_per_layer, "experts": len(t.moe_layers) * experts_per_moe}
+                 "rest": t.num_hidden_layers * rest_per_layer, "experts": len(t.moe_layers) * experts_per_moe,
+                 "dense": (t.num_hidden_layers - len(t.moe_layers)) * dense_per_layer}
         rows.append({"target": name, "parts_s": parts, "projected_prefill_s": sum(parts.values())})
     return rows
 
@@ -178,10 +182,11 @@ def format_table(r: dict) -> str:
     lines += [f"    {name:<16} {s:9.3f} s" for name, s in r["prefill_split_s"].items()]
     if r["prefill_projection"]:
         lines.append(f"  the same {r['context']}-token prefill projected to the full models (indexer per full layer, "
-                     "the rest per layer, experts per MoE layer):")
+                     "the rest per layer, experts per MoE layer, the dense MLP per dense layer):")
         lines += [f"    {p['target']:<16} {p['projected_prefill_s']:9.1f} s = {p['projected_prefill_s'] / 60:.1f} min "
                   f"(indexer {p['parts_s']['indexer']:.1f} s, rest {p['parts_s']['rest']:.1f} s, experts "
-                  f"{p['parts_s']['experts']:.1f} s)" for p in r["prefill_projection"]]
+                  f"{p['parts_s']['experts']:.1f} s, dense MLPs {p['parts_s']['dense']:.1f} s)"
+                  for p in r["prefill_projection"]]
     bound = r["host_bound"]
     if bound:
         lines.append(f"  host-bandwidth bound: {bound['expert_bytes_per_token'] / 1e6:.1f} MB of routed experts a token "

@@ -14,9 +14,8 @@ import triton.language as tl
 
 from ..formats import FP8_MAX, fp8_blocks
 from ..formats.kv_rows import latent_group
-from . import INTERPRET, topk_triton
+from . import INTERPRET
 from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
-from .topk_triton import keep_candidates
 
 
 @triton.jit
@@ -62,20 +61,14 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, thr_ptr, count_ptr, cand_ptr, redo_ptr, S, T, scale,
-                    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                    KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr, FP8: tl.constexpr, CANDIDATES: tl.constexpr,
-                    CAP: tl.constexpr, REDO: tl.constexpr):
+def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale, H: tl.constexpr, D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr,
+                    FP8: tl.constexpr):
     # q [S, H, D], keys [T, D] (FP8: e4m3 bytes with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
     # one program: BLOCK_S queries x KEY_BLOCKS blocks of BLOCK_T keys, the queries loaded once. An FP8 key's
     # scale (> 0) comes out of the ReLU: relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and
-    # the score is scaled after. CANDIDATES: the scores at or above thr [S] go to cand (topk_triton.keep_candidates)
-    # instead of out; REDO: only query blocks with a row flagged in redo [S] int8 run.
+    # the score is scaled after.
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
-    if REDO:
-        flags = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-        if tl.max(tl.load(redo_ptr + flags, mask=flags < S, other=0)) == 0:
-            return
     rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
     d = tl.arange(0, D)
     row_ok = rows < S * H
@@ -97,32 +90,21 @@ def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, thr_ptr, coun
         if FP8:
             scores = scores * (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * 256.0)[None, :]
         scores = tl.where(cols[None, :] > pos[:, None], float("-inf"), scores)
-        ok = (s[:, None] < S) & (cols[None, :] < T)
-        if CANDIDATES:
-            keep_candidates(scores, s[:, None] + 0 * cols[None, :], cols[None, :], ok,
-                            tl.load(thr_ptr + s, mask=s < S, other=0.0)[:, None], count_ptr, cand_ptr, CAP)
-        else:
-            tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=ok)
+        tl.store(out_ptr + s[:, None] * T + cols[None, :], scores, mask=(s[:, None] < S) & (cols[None, :] < T))
 
 
 @triton.jit
-def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, thr_ptr, count_ptr, cand_ptr, redo_ptr, S, T,
-                        scale, H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, S_PAD: tl.constexpr,
-                        BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr, FP8_HW: tl.constexpr, CAST: tl.constexpr,
-                        CANDIDATES: tl.constexpr, CAP: tl.constexpr, REDO: tl.constexpr):
+def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale, H: tl.constexpr, D: tl.constexpr,
+                        BLOCK_S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr,
+                        FP8_HW: tl.constexpr, CAST: tl.constexpr):
     # The prefill form over FP8 queries and keys, laid out as flash attention is: q [S, H, D] and keys [T, D] e4m3
     # bytes (q's scales already in w [S, H] fp32, the keys' in ks [T]), out [S, T] fp32. Per block of keys:
     #   logits^T = k q^T                  [BLOCK_T, BLOCK_S*H]   (an FP8 dot on FP8_HW GPUs)
     #   scores^T = relu(logits^T) W       [BLOCK_T, S_PAD]       W[(s, h), s] = w[s, h], zero elsewhere
     # so the sum over heads is a second dot on the first one's registers (in bf16) instead of a reduction across
     # threads. Without FP8_HW (sm86) the first dot takes the values widened to fp16 by bit arithmetic (exact, each
-    # / 256: the factors go into the scales); CAST (the interpreter): both dots in fp32. CANDIDATES, REDO: as
-    # _indexer_kernel's.
+    # / 256: the factors go into the scales); CAST (the interpreter): both dots in fp32.
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
-    if REDO:
-        flags = pid_s * BLOCK_S + tl.arange(0, S_PAD)
-        if tl.max(tl.load(redo_ptr + flags, mask=(flags < S) & (tl.arange(0, S_PAD) < BLOCK_S), other=0)) == 0:
-            return
     pairs = tl.arange(0, BLOCK_S * H)  # (query, head), head fastest
     rows = pid_s * BLOCK_S * H + pairs
     d = tl.arange(0, D)
@@ -157,12 +139,7 @@ def _indexer_fp8_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, thr_ptr, 
         scores = tl.dot(relu, heads_sum, input_precision="ieee")  # [BLOCK_T, S_PAD]
         scores *= (tl.load(ks_ptr + cols, mask=cols < T, other=1.0) * (scale * key_scale))[:, None]
         scores = tl.where(cols[:, None] > pos[None, :], float("-inf"), scores)
-        ok = s_ok[None, :] & (cols[:, None] < T)
-        if CANDIDATES:
-            keep_candidates(scores, s[None, :] + 0 * cols[:, None], cols[:, None], ok,
-                            tl.load(thr_ptr + s, mask=s_ok, other=0.0)[None, :], count_ptr, cand_ptr, CAP)
-        else:
-            tl.store(out_ptr + s[None, :] * T + cols[:, None], scores, mask=ok)
+        tl.store(out_ptr + s[None, :] * T + cols[:, None], scores, mask=s_ok[None, :] & (cols[:, None] < T))
 
 
 def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,77 +163,27 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
     (quantize_queries) and runs _indexer_fp8_kernel (FP8 dots; the weighted sum over heads in bf16). The block
     shapes default to the fastest of bench_dsa's sweeps on an H200.
     """
-    q, weights, q_fp8 = _indexer_queries(q, keys, weights, key_scales, q_fp8)
-    out = torch.empty(q.shape[0], keys.shape[0], dtype=torch.float32, device=q.device) if out is None else out
-    _indexer(q, keys, key_scales, weights, positions, q_fp8, out=out, block_s=block_s, block_t=block_t,
-             key_blocks=key_blocks, num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-def indexer_topk(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, k: int,
-                 key_scales: torch.Tensor | None = None, q_fp8: bool | None = None) -> torch.Tensor:
-    """model.mla.topk_indices(indexer_scores(...), k)'s set, without the [S, T] scores going through memory: the
-    scores of every (T // SAMPLE)-th key give each query a threshold (topk_triton.sample_threshold), the scores'
-    kernel keeps the ones at or above it as candidates, and their top k is the answer (topk_triton's comment says
-    why); a query the sample misled gets its row of scores and the radix select, nothing waiting for the GPU (the
-    other rows' programs return at once). Arguments as indexer_scores'; T >= SAMPLED_WIDTH and k <= CAP // 2 ->
-    [S, k] int64, -1 where fewer are valid, by score (a redone row: topk_indices' order); ties at the k-th score
-    taken lowest position first."""
-    S, T = q.shape[0], keys.shape[0]
-    assert T >= topk_triton.SAMPLED_WIDTH and 2 * k <= topk_triton.CAP, (T, k)
-    q, weights, q_fp8 = _indexer_queries(q, keys, weights, key_scales, q_fp8)
-    stride = T // topk_triton.SAMPLE
-    fp8 = key_scales is not None
-    sampled = keys.view(torch.uint8)[::stride].contiguous().view(keys.dtype) if fp8 else keys[::stride].contiguous()
-    sample = torch.empty(S, sampled.shape[0], dtype=torch.float32, device=q.device)
-    _indexer(q, sampled, key_scales[::stride].contiguous() if fp8 else None, weights, positions // stride, q_fp8,
-             out=sample)  # key j of the sample is key j * stride: causal past positions // stride
-    thr = topk_triton.sample_threshold(sample, T, k)
-    count, cand = topk_triton.empty_candidates(S, q.device)
-    _indexer(q, keys, key_scales, weights, positions, q_fp8, candidates=(thr, count, cand))
-    out = topk_triton.top_candidates(cand, k)
-    redo = topk_triton.misled_rows(count, thr, k)
-    scores = torch.empty(S, T, dtype=torch.float32, device=q.device)  # written only in the redone rows' blocks
-    _indexer(q, keys, key_scales, weights, positions, q_fp8, out=scores, redo=redo)
-    return topk_triton.topk_indices(scores, k, out=out, skip=~redo)
-
-
-def _indexer_queries(q, keys, weights, key_scales, q_fp8):
-    """(q, weights, q_fp8) as the kernels take them: checked, and quantised where q_fp8 (see indexer_scores)."""
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
         raise ValueError("float8_e4m3fn keys need their key_scales, and only they")
+    S, H, D = q.shape
     if q_fp8 is None:
-        q_fp8 = fp8 and q.shape[0] > 4 and has_fp8_dot(q.device)
+        q_fp8 = fp8 and S > 4 and has_fp8_dot(q.device)
     if q_fp8 and not fp8:
         raise ValueError("q_fp8 is for float8_e4m3fn keys")
+    T = keys.shape[0]
+    out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
     if q_fp8:
         q, weights = quantize_queries(q, weights)
-    return q, weights, q_fp8
-
-
-def _indexer(q, keys, key_scales, weights, positions, q_fp8: bool, out=None, candidates=None, redo=None,
-             block_s=None, block_t=None, key_blocks=None, num_warps=None, num_stages=3):
-    """One launch of the indexer's kernel for _indexer_queries' output: scores into out [S, T], or candidates
-    (thr, count, cand) kept (topk_triton.keep_candidates); redo [S] bool: only the query blocks holding a set
-    row run."""
-    S, H, D = q.shape
-    T = keys.shape[0]
-    fp8 = key_scales is not None
-    thr, count, cand = candidates if candidates is not None else (weights,) * 3  # any tensor stands in unread
-    flags = redo.to(torch.int8) if redo is not None else weights
-    out = weights if out is None else out
-    modes = dict(CANDIDATES=candidates is not None, CAP=topk_triton.CAP, REDO=redo is not None)
-    if q_fp8:
         block_s = block_s or max(1, 256 // H)
         block_t, key_blocks = block_t or 64, key_blocks or 16
         grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
         _indexer_fp8_kernel[grid](q.view(torch.uint8), keys.contiguous().view(torch.uint8), key_scales.contiguous(),
-                                  weights.contiguous(), positions.contiguous(), out, thr, count, cand, flags, S, T,
-                                  D**-0.5, H=H, D=D, BLOCK_S=block_s, S_PAD=max(16, block_s), BLOCK_T=block_t,
-                                  KEY_BLOCKS=key_blocks, FP8_HW=has_fp8_dot(q.device), CAST=INTERPRET,
-                                  num_warps=num_warps or 4, num_stages=num_stages, **modes)
-        return
+                                  weights.contiguous(), positions.contiguous(), out, S, T, D**-0.5, H=H, D=D,
+                                  BLOCK_S=block_s, S_PAD=max(16, block_s), BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
+                                  FP8_HW=has_fp8_dot(q.device), CAST=INTERPRET, num_warps=num_warps or 4,
+                                  num_stages=num_stages)
+        return out
     decode = S <= 4
     block_s = min(block_s or max(1, 256 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
     block_t = block_t or 128
@@ -265,9 +192,10 @@ def _indexer(q, keys, key_scales, weights, positions, q_fp8: bool, out=None, can
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
     keys = keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous()
     _indexer_kernel[grid](q.contiguous(), keys, scales, weights.float().contiguous(), positions.contiguous(), out,
-                          thr, count, cand, flags, S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t,
-                          KEY_BLOCKS=key_blocks, CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8,
-                          num_warps=num_warps or 8, num_stages=num_stages, **modes)
+                          S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
+                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps or 8,
+                          num_stages=num_stages)
+    return out
 
 
 @triton.jit

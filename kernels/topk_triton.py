@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import programs_wanted
+from . import INTERPRET, programs_wanted
 
 BITS = 8  # a pass's digit
 LEVELS = 32 // BITS
@@ -183,30 +183,43 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     return out
 
 
-# Many wide rows (a prefill chunk's indexer scores, kernels/dsa_triton.py's indexer_topk): a strided sample of SAMPLE
-# scores a row gives a threshold that about 4k scores pass (the sample's 4k/T quantile); the scores' kernel keeps
-# the scores at or above it as candidates (keep_candidates: with their positions, in 64-bit keys ordered as (score,
-# lower position first)) instead of writing the row, and torch.topk of the candidates is the row's top-k whenever at
-# least k and at most CAP passed: everything left out scores below everything kept. A row where the sample misled
-# (too few or too many passed: misled_rows) is redone from its scores by the radix select.
+# Many wide rows (a prefill chunk's indexer calls: 128 rows of 1M scores), faster than torch.topk's passes: a strided
+# sample of SAMPLE scores a row gives a threshold that about 4k scores pass (the sample's 4k/T quantile); one read of
+# the row keeps the scores at or above it as candidates, with their positions, in 64-bit keys ordered as (score,
+# lower position first); torch.topk of the candidates is the row's top-k whenever at least k and at most CAP passed:
+# everything left out scores below everything kept. A row where the sample misled (too few or too many passed:
+# misled_rows) is redone by the radix select above, its programs for the other rows returning at once.
 SAMPLE = 4096
 CAP = 16384  # candidates kept per row: 4x the 4k expected at k 2048 (a miss needs a sample 5 sigma off)
 SAMPLED_WIDTH = 4 * CAP  # rows at least this wide take the sampled path (narrower ones: torch.topk is quick)
+CANDIDATE_ROWS, CANDIDATE_WIDTH = 32, 128  # a candidates program's block of scores: 32 runs of 128
+CANDIDATE_PROGRAMS = 64  # programs a row (32 to 128 ran alike on an H200: bench/RESULTS.md)
 _NEG_INF_KEY = 0x007FFFFF  # _keys(-inf)
 
 
 @triton.jit
-def keep_candidates(x, rows, t, ok, thr, count_ptr, cand_ptr, CAP: tl.constexpr):
-    """Scores x (a block of any shape) of rows `rows` at positions t (both int32, of x's shape) where ok: those at
-    or above their row's threshold thr (fp32, broadcast to x's shape; -inf is never a candidate) take a slot from
-    their row's counter count [rows] int32 (~1% of a block: no scan over it), and the first CAP of a row go to
-    cand [rows, CAP] int64 as (key ^ 2^31 as int32) << 32 | (2^32-1 - t)."""
-    key = _keys(x)
-    take = ok & (key >= tl.maximum(_keys(thr), 0x00800000))
-    slot = tl.atomic_add(count_ptr + rows, 1, mask=take, sem="relaxed")
-    signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
-    composite = (signed << 32) | (4294967295 - t.to(tl.int64))
-    tl.store(cand_ptr + rows.to(tl.int64) * CAP + slot, composite, mask=take & (slot < CAP))
+def _candidates_kernel(scores_ptr, thr_ptr, count_ptr, cand_ptr, T, per_program, ROWS: tl.constexpr,
+                       WIDTH: tl.constexpr, CAP: tl.constexpr):
+    # scores [S, T] fp32, thr [S] fp32, count [S] int32 (zeroed), cand [S, CAP] int64; program (row, p) reads
+    # scores[row, p*per_program:][:per_program] in blocks [ROWS, WIDTH]: a block's candidates (~1%) take slots
+    # by one atomic on the row's count, each at its offset from two scans (the runs' counts, then within a run)
+    row, p = tl.program_id(0), tl.program_id(1)
+    least = tl.maximum(_keys(tl.load(thr_ptr + row)), 0x00800000)  # _keys(-inf) + 1: -inf is never a candidate
+    start = p * per_program
+    end = tl.minimum(start + per_program, T)
+    for first in range(start, end, ROWS * WIDTH):
+        t = first + tl.arange(0, ROWS)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+        ok = t < end
+        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=float("-inf")))
+        take = (ok & (key >= least)).to(tl.int32)
+        per_run = tl.sum(take, 1)
+        n = tl.sum(per_run)
+        if n > 0:
+            base = tl.atomic_add(count_ptr + row, n, sem="relaxed")
+            slot = (base + tl.cumsum(per_run, 0) - per_run)[:, None] + tl.cumsum(take, 1) - 1
+            signed = (key ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)
+            composite = (signed << 32) | (4294967295 - t.to(tl.int64))
+            tl.store(cand_ptr + row.to(tl.int64) * CAP + slot, composite, mask=(take != 0) & (slot < CAP))
 
 
 def sample_threshold(sample: torch.Tensor, T: int, k: int) -> torch.Tensor:
@@ -214,12 +227,6 @@ def sample_threshold(sample: torch.Tensor, T: int, k: int) -> torch.Tensor:
     position sample [S, n] (-inf: every finite score is a candidate)."""
     rank = min(sample.shape[1], -(-4 * k * sample.shape[1] // T))
     return sample.topk(rank, dim=1).values[:, -1].contiguous()
-
-
-def empty_candidates(S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(count [S] int32 zeroed, cand [S, CAP] int64 below every candidate) for keep_candidates."""
-    return (torch.zeros(S, dtype=torch.int32, device=device),
-            torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device))
 
 
 def top_candidates(cand: torch.Tensor, k: int) -> torch.Tensor:
@@ -232,3 +239,23 @@ def misled_rows(count: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor:
     """[S] bool: rows whose candidates (count of them, their threshold thr) need not hold the top k: more than CAP
     passed, or fewer than k passed a threshold above -inf."""
     return (count > CAP) | ((count < k) & (thr != float("-inf")))
+
+
+def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_indices' set for wide rows of scores [S, T] fp32 (T >= SAMPLED_WIDTH, k <= CAP // 2) by a sample's
+    threshold (the comment above) -> [S, k] int64 by score, -1 where fewer are valid (a redone row: topk_indices'
+    order); ties at the k-th score taken lowest position first. Nothing waits for the GPU."""
+    S, T = scores.shape
+    assert T >= SAMPLED_WIDTH and 2 * k <= CAP, (T, k)
+    scores = scores.float().contiguous()
+    thr = sample_threshold(scores[:, :: T // SAMPLE], T, k)
+    count = torch.zeros(S, dtype=torch.int32, device=scores.device)
+    cand = torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=scores.device)
+    block = CANDIDATE_ROWS * CANDIDATE_WIDTH
+    programs = min(1 if INTERPRET else CANDIDATE_PROGRAMS, triton.cdiv(T, block))
+    per_program = triton.cdiv(triton.cdiv(T, programs), block) * block
+    _candidates_kernel[(S, triton.cdiv(T, per_program))](scores, thr, count, cand, T, per_program,
+                                                         ROWS=CANDIDATE_ROWS, WIDTH=CANDIDATE_WIDTH, CAP=CAP,
+                                                         num_warps=4)
+    out = top_candidates(cand, k)
+    return topk_indices(scores, k, out=out, skip=~misled_rows(count, thr, k))

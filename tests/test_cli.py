@@ -143,12 +143,13 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     assert r["context"] == 40 and r["new_tokens"] == 4
     assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["peak_host_bytes"] > 0
     split = r["split_ms_per_token"]
-    assert set(split) == {"attention", "experts", "transfers", "other"} and split["attention"] > 0
+    assert set(split) == {"attention", "experts", "transfers", "dense", "other"} and split["attention"] > 0
+    assert split["dense"] > 0  # the tiny model's first layer is dense
     assert split["experts"] > 0 and split["transfers"] == 0  # all on the CPU: nothing crosses to a GPU
     assert r["split_prefilled_tokens"] == 1  # the split run decodes from the cache, it does not prefill
     assert r["cuda_graphs"] is False and r["graph_split_ms_per_token"] is None  # no GPU: eager decode
     prefill = r["prefill_split_s"]  # the context prefilled afresh: the indexer is a part of attention
-    assert set(prefill) == {"attention", "experts", "transfers", "other", "of which indexer"}
+    assert set(prefill) == {"attention", "experts", "transfers", "dense", "other", "of which indexer"}
     assert 0 < prefill["of which indexer"] < prefill["attention"] and prefill["experts"] > 0
     assert "decode step, eager, per token" in table and "of which indexer" in table and "eager)" in table and "peak memory" in table
     bound = r["host_bound"]  # the CPU experts' bytes a token at the host's read bandwidth
@@ -162,15 +163,18 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
 
 def test_prefill_projection_scales_each_part_by_its_layers(tmp_path):
     """A full model's own split projects onto itself unchanged; onto GLM-5 (78 full-indexer layers against
-    GLM-5.2's 21, the same layer and MoE counts) only the indexer scales; a checkpoint cut to a few layers of
-    GLM-5.2's dims (make-tiny --preset) scales each part by its layers; other dims project nowhere."""
-    split = {"attention": 30.0, "of which indexer": 12.0, "experts": 20.0, "transfers": 5.0, "other": 3.0}
+    GLM-5.2's 21, the same layer, MoE and dense counts) only the indexer scales; a checkpoint cut to a few layers
+    of GLM-5.2's dims (make-tiny --preset) scales each part by its layers (the dense MLPs by the dense layers);
+    other dims project nowhere."""
+    split = {"attention": 30.0, "of which indexer": 12.0, "experts": 20.0, "transfers": 5.0, "dense": 4.0,
+             "other": 3.0}
     config = load_config("glm-5.2")
     full = config.indexer_types.count("full")
     assert (full, config.num_hidden_layers, len(config.moe_layers)) == (21, 78, 75)
     rows = {p["target"]: p for p in prefill_projection(split, config)}
-    assert rows["glm-5.2"]["projected_prefill_s"] == pytest.approx(30 + 20 + 5 + 3)
-    assert rows["glm-5"]["parts_s"] == pytest.approx({"indexer": 12 * 78 / 21, "rest": 21.0, "experts": 25.0})
+    assert rows["glm-5.2"]["projected_prefill_s"] == pytest.approx(30 + 20 + 5 + 4 + 3)
+    assert rows["glm-5"]["parts_s"] == pytest.approx({"indexer": 12 * 78 / 21, "rest": 21.0, "experts": 25.0,
+                                                      "dense": 4.0})
     def written(name, config):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
@@ -180,7 +184,7 @@ def test_prefill_projection_scales_each_part_by_its_layers(tmp_path):
     full_cut, moe_cut = cut.indexer_types.count("full"), len(cut.moe_layers)
     rows = {p["target"]: p for p in prefill_projection(split, cut)}
     assert rows["glm-5.2"]["parts_s"] == pytest.approx({"indexer": 12 * 21 / full_cut, "rest": 21 * 78 / 3,
-                                                        "experts": 25 * 75 / moe_cut})
+                                                        "experts": 25 * 75 / moe_cut, "dense": 4 * 3 / (3 - moe_cut)})
     assert prefill_projection(split, load_config("glm-5.3-flash")) == []  # no DSA kind of its own to scale to
     assert prefill_projection(split, written("tiny", tiny_config("glm_moe_dsa"))) == []  # tiny dims
 

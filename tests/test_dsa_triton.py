@@ -304,26 +304,61 @@ def test_the_rule_chooses_fp8_queries(hf_checkpoint, tmp_path, monkeypatch, sett
 
 
 def test_the_rule_chooses_the_sampled_topk(hf_checkpoint, tmp_path, monkeypatch):
-    """indexer.dsa_triton's sampled_topk: off by default; on, a prefill's wide rows (here: the widths made small)
-    take indexer_topk, and the logits stay those of torch.topk's selection; a bad value is refused in one line."""
+    """indexer.dsa_triton's sampled_topk: on by default, a prefill's wide rows (here: the widths made small) take
+    topk_triton.topk_sampled; off, torch.topk; the logits are the same; a bad value is refused in one line."""
     from glm5_offload.kernels import topk_triton
 
     path, _ = hf_checkpoint("glm_moe_dsa")
     monkeypatch.setattr(topk_triton, "SAMPLE", 8)
     monkeypatch.setattr(topk_triton, "SAMPLED_WIDTH", 32)
     calls = []
-    original = dsa_triton.indexer_topk
-    monkeypatch.setattr(dsa_triton, "indexer_topk", lambda q, keys, *a, **kw: calls.append(keys.shape) or
-                        original(q, keys, *a, **kw))
+    original = topk_triton.topk_sampled
+    monkeypatch.setattr(topk_triton, "topk_sampled", lambda scores, k: calls.append(scores.shape) or
+                        original(scores, k))
 
     def logits(setting: str):
         model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, DEVICE, indexer=setting))
         return model(torch.arange(4, 54, device=DEVICE), new_cache(model, 64))
 
-    plain = logits("")
+    plain = logits("sampled_topk: false")
     assert calls == []
-    sampled = logits("sampled_topk: true")
-    assert calls and all(shape[0] >= 32 for shape in calls)
+    sampled = logits("")
+    assert calls and all(shape[0] > 4 and shape[1] >= 32 for shape in calls)
     torch.testing.assert_close(sampled, plain, rtol=1e-4, atol=1e-4)
     with pytest.raises(Glm5Error, match="sampled_topk must be true or false, got 'yes'"):
         logits("sampled_topk: 'yes'")
+
+
+@pytest.mark.parametrize("triton_ops", [False, True])
+def test_a_chunks_indexer_calls_score_the_keys_up_to_their_last_query(hf_checkpoint, tmp_path, monkeypatch,
+                                                                       triton_ops):
+    """A prefill chunk's queries scored over several calls (the score budget made small): each call scores the
+    keys up to its last query (at least index_topk of them), not the chunk's; the logits are those of one call."""
+    from glm5_offload.model import mla
+    from glm5_offload.ops import dsa_triton as dsa_ops
+
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    rules = dsa_rules(tmp_path, DEVICE) if triton_ops else load_rules("glm5-reference")
+    model = load_model(path, dtype=torch.float32, rules=rules, device=DEVICE if triton_ops else "cpu")
+    tokens = torch.randint(4, 320, (60,), generator=torch.Generator().manual_seed(3)).to(model.device)
+
+    def logits():
+        cache = new_cache(model, 64)
+        model(tokens[:12], cache)
+        return model(tokens[12:], cache)
+
+    whole = logits()
+    calls = []
+    indexer = next(layer.self_attn.indexer for layer in model.model.layers if layer.self_attn.indexer is not None)
+    original = type(indexer).top
+    monkeypatch.setattr(type(indexer), "top", lambda self, q, keys, weights, positions, end: calls.append(
+        (positions.tolist(), end)) or original(self, q, keys, weights, positions, end))
+    monkeypatch.setattr(mla, "SCORE_BUDGET", 8 * 60 * 6)  # 6 queries a call
+    monkeypatch.setattr(dsa_ops, "SCORE_BUDGET", 60 * 3)
+    split = logits()
+    chunk = [(p, end) for p, end in calls if p[0] >= 12]
+    full = sum(layer.self_attn.indexer is not None for layer in model.model.layers)
+    assert len(chunk) >= 6 * full and sum(len(p) for p, _ in chunk) == 48 * full
+    assert all(end == max(p[-1] + 1, indexer.topk) for p, end in chunk)
+    assert chunk[0][1] < 60 and chunk[-1][1] == 60
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)

@@ -132,6 +132,9 @@ KERNELS = [
      dict(BITS=8, BLOCK=4096)),
     (t._write_kernel, {"state_ptr": "*i32", **rows, "counts_ptr": "*i32", "out_ptr": "*i64",
                        **K("BITS BLOCK PROGRAMS")}, dict(BITS=8, BLOCK=4096, PROGRAMS=256)),
+    (t._candidates_kernel, {"scores_ptr": "*fp32", "thr_ptr": "*fp32", "count_ptr": "*i32", "cand_ptr": "*i64",
+                            "T": "i32", "per_program": "i32", **K("ROWS WIDTH CAP")},
+     dict(ROWS=32, WIDTH=128, CAP=16384)),
 ]
 NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
@@ -162,4 +165,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "27 kernels" in proc.stdout
+    assert "28 kernels" in proc.stdout

@@ -1,5 +1,5 @@
-"""The radix-select top-k kernel against torch.topk (model.mla.topk_indices), and the indexer's top-k kept as its
-scores are computed (dsa_triton.indexer_topk): the interpreter on the CPU, 1M-wide rows on the GPU."""
+"""The radix-select top-k kernel against torch.topk (model.mla.topk_indices), and the top-k of wide rows by a
+sample's threshold (topk_triton.topk_sampled): the interpreter on the CPU, 1M-wide rows on the GPU."""
 
 import pytest
 import torch
@@ -83,27 +83,16 @@ def test_a_million_wide_row_on_the_gpu(S):
     assert torch.equal(replayed, got)
 
 
-def check_indexer_topk(q, keys, w, positions, k, monkeypatch, key_scales=None, q_fp8=None) -> list[bool]:
-    """dsa_triton.indexer_topk's set against the documented one of the same kernel's scores; the rows it found
+def check_sampled(scores: torch.Tensor, k: int, monkeypatch) -> list[bool]:
+    """topk_triton.topk_sampled's set against the documented one (ties lowest position first); the rows it found
     misled."""
     misled = []
     original = topk_triton.misled_rows
     monkeypatch.setattr(topk_triton, "misled_rows", lambda *a: misled.append(original(*a)) or misled[-1])
-    got = dsa_triton.indexer_topk(q, keys, w, positions, k, key_scales=key_scales, q_fp8=q_fp8)
-    scores = dsa_triton.indexer_scores(q, keys, w, positions, key_scales=key_scales, q_fp8=q_fp8)
-    want = expected(scores.cpu(), k).to(q.device)  # torch.topk's set, ties taken lowest position first
+    got = topk_triton.topk_sampled(scores.to(DEVICE), k).cpu()
+    want = expected(scores.cpu(), k)
     assert got.shape == want.shape and torch.equal(got.sort(1).values, want.sort(1).values)  # (and as many -1s)
     return misled[0].tolist()
-
-
-def indexer_inputs(S, H, D, T, seed, fp8):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16)
-    keys = torch.randn(T, D, generator=g).to(DEVICE)
-    w = torch.rand(S, H, generator=g).to(DEVICE)
-    if fp8:
-        return (q, *quantize_keys(keys), w)
-    return q, keys.bfloat16(), None, w
 
 
 @pytest.fixture
@@ -116,36 +105,44 @@ def small_sample(monkeypatch):
     return 4096 + 1234, 128
 
 
-@pytest.mark.parametrize("fp8, q_fp8", [(False, None), (True, False), (True, True)])
-def test_indexer_topk_equals_the_scores_top_k(monkeypatch, small_sample, fp8, q_fp8):
-    """A prefill chunk's queries over wide rows: random, one with fewer valid keys than k (causal), one past the
-    middle; bf16 keys, FP8 keys, FP8 queries too. No row needs the radix select."""
+def test_topk_sampled_equals_the_scores_top_k(monkeypatch, small_sample):
+    """A prefill call's wide rows: random; fewer valid scores than k (causal: every finite score a candidate);
+    negative scores; 40 scores tied at the k-th largest (the lowest positions of them taken); a row that ends
+    -inf past its middle. No row needs the radix select."""
     T, k = small_sample
-    q, keys, scales, w = indexer_inputs(4, 4, 32, T, seed=7, fp8=fp8)
-    positions = torch.tensor([T - 1, 100, 3000, T - 3], device=DEVICE)
-    assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales, q_fp8) == [False] * 4
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randn(5, T, generator=g) * 30
+    scores[1, 100:] = float("-inf")
+    scores[2] = -scores[2].abs() - 5
+    ranked = scores[3].sort(descending=True).indices
+    scores[3, ranked[k - 20 : k + 20]] = scores[3, ranked[k - 20]].item()
+    scores[4, T // 2 :] = float("-inf")
+    assert check_sampled(scores, k, monkeypatch) == [False] * 5
 
 
-@pytest.mark.parametrize("q_fp8", [None, True])  # None: bf16 queries here (3 rows); True: the FP8 kernel's redo
-def test_rows_the_sample_misleads_are_redone(monkeypatch, small_sample, q_fp8):
-    """Query 0 scores every key 0 (all pass the threshold: more than CAP; its top-k: the lowest positions); query 1
-    sees 60 keys on the sample's stride scaled up (its threshold among them: fewer than k pass); query 2, before
-    those keys, is ordinary."""
+def test_rows_the_sample_misleads_are_redone(monkeypatch, small_sample):
+    """Row 0 scores every position alike (all pass the threshold: more than CAP; its top-k: the lowest positions);
+    row 1 has 60 scores on the sample's stride scaled up (its threshold among them: fewer than k pass); row 2 is
+    ordinary."""
     T, k = small_sample
-    q, keys, scales, w = indexer_inputs(3, 4, 32, T, seed=8, fp8=True)
-    q[0] = 0.0
+    scores = torch.randn(3, T, generator=torch.Generator().manual_seed(12))
+    scores[0] = 0.25
     stride = T // topk_triton.SAMPLE
-    scales[3000 // stride * stride :: stride][:60] *= 1e4
-    positions = torch.tensor([T - 1, T - 2, 2000], device=DEVICE)
-    assert check_indexer_topk(q, keys, w, positions, k, monkeypatch, scales, q_fp8) == [True, True, False]
+    scores[1, 3000 // stride * stride :: stride][:60] *= 1e4
+    scores[1, 3000 // stride * stride :: stride][:60] += 1e5
+    assert check_sampled(scores, k, monkeypatch) == [True, True, False]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_indexer_topk_of_a_prefill_call_on_the_gpu(monkeypatch):
-    """Real sizes: 128 queries (one indexer call of a 1M prefill) of 32 heads x 128 over 2^20 FP8 keys, their
-    positions spread over the context; FP8 queries (the H200's default)."""
+def test_topk_sampled_of_a_prefill_call_on_the_gpu(monkeypatch):
+    """Real sizes: the scores of 128 queries (one indexer call of a 1M prefill) of 32 heads x 128 over 2^20 FP8
+    keys, their positions spread over the context; FP8 queries (the H200's default)."""
     T = 1 << 20
-    q, keys, scales, w = indexer_inputs(128, 32, 128, T, seed=3, fp8=True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(128, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
+    keys, scales = quantize_keys(torch.randn(T, 128, generator=g).to(DEVICE))
+    w = torch.rand(128, 32, generator=g).to(DEVICE)
     positions = torch.linspace(1000, T - 1, 128, device="cuda").long()
-    assert check_indexer_topk(q, keys, w, positions, 2048, monkeypatch, scales) == [False] * 128
+    scores = dsa_triton.indexer_scores(q, keys, w, positions, key_scales=scales)
+    assert check_sampled(scores, 2048, monkeypatch) == [False] * 128

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..util import span
 from .blocks import MLP, MoE, RMSNorm
 from .glm_moe_dsa import Backbone as DsaBackbone
 from .glm_moe_dsa import CausalLM as DsaCausalLM
@@ -87,9 +88,13 @@ class DecoderLayer(nn.Module):
         def leave(s: Pass, out):
             return HyperConnection.merge(s.x, out, s.hc_post, s.hc_comb)
 
+        def dense(s: Pass):
+            with span("dense", s.x.device):
+                s.x = leave(s, self.mlp(enter(s)).to(s.x.device))
+
         if isinstance(self.mlp, MoE):
             return [attend] + self.mlp.steps(enter, leave)
-        return [attend, lambda s: setattr(s, "x", leave(s, self.mlp(enter(s)).to(s.x.device)))]
+        return [attend, dense]
 
 
 class Backbone(DsaBackbone):

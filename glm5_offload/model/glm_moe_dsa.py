@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..util import span
 from .blocks import MLP, LMHead, MoE, RMSNorm
 from .mla import Attention
 from .rope import cos_sin, inv_freq_and_scaling
@@ -34,7 +35,8 @@ class DecoderLayer(nn.Module):
             s.x = s.x + h.to(s.x.device)
 
         def dense(s: Pass):
-            s.x = s.x + self.mlp(self.post_attention_layernorm(s.x)).to(s.x.device)
+            with span("dense", s.x.device):
+                s.x = s.x + self.mlp(self.post_attention_layernorm(s.x)).to(s.x.device)
 
         if not isinstance(self.mlp, MoE):
             return [attend, dense]

@@ -85,8 +85,8 @@ class Indexer(nn.Module):
         self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, positions)
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
         chunk = self.query_chunk(end)
-        return torch.cat([self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk], end)
-                          for s in range(0, S, chunk)])
+        return torch.cat([self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
+                                   call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)])
 
     def top(self, q, keys, weights, positions, end: int):
         """The selected positions [S, min(topk, end)] of the queries at positions [S]: select of their scores."""
@@ -96,6 +96,14 @@ class Indexer(nn.Module):
         """The top index_topk positions of each row of scores [S, T] (topk_indices; indexer.dsa_triton's kernel
         overrides it)."""
         return topk_indices(scores, self.topk)
+
+
+def call_end(end: int, S: int, stop: int, least: int = 0) -> int:
+    """The keys a call of the queries before `stop` of a pass's S needs scored, at least `least` of them (so that
+    every call's selection has the same width): a pass's positions are consecutive and end at end - 1 or before,
+    so the call's last query is at end - S + stop - 1 at most; the keys past it are causal-masked for every query
+    of the call (a long prefill chunk's first calls skip up to the chunk's length)."""
+    return max(end - S + min(stop, S), min(least, end))
 
 
 def indexer_scores(q, keys, weights, positions):

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .blocks import Linear
-from .mla import SCORE_BUDGET, indexer_scores
+from .mla import SCORE_BUDGET, call_end, indexer_scores
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,8 @@ class PooledIndexer(nn.Module):
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5
         chunk = max(1, SCORE_BUDGET // (self.n_heads * max(1, end // self.kpool)))
         return torch.cat([
-            selected_tokens(self.scores(q[s : s + chunk], cache, weights[s : s + chunk], positions[s : s + chunk], end),
+            selected_tokens(self.scores(q[s : s + chunk], cache, weights[s : s + chunk], positions[s : s + chunk],
+                                        call_end(end, S, s + chunk)),
                             positions[s : s + chunk], self.n_groups, self.kpool, self.tail)
             for s in range(0, S, chunk)
         ])

@@ -3,8 +3,8 @@ in Triton kernels (kernels/dsa_triton.py).
 
 Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py): a shared layer still runs no
 indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
-rows and the pooled indexer's (index_kpool times shorter) with torch.topk, or with sampled_topk a prefill's rows
-over 64K keys as the scores kernel computes them (indexer_topk). FP8 indexer keys are roped and quantised
+rows over 64K keys by a sample's threshold (topk_triton.topk_sampled; torch.topk with sampled_topk false), shorter
+ones and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
 by one kernel straight into the cache rows.
 """
 
@@ -25,7 +25,7 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
-    sampled_topk = False  # the rule's kwarg: a prefill's wide rows take dsa_triton.indexer_topk
+    sampled_topk = True  # the rule's kwarg: a prefill's wide rows take topk_triton.topk_sampled
 
     def scores(self, q, keys, weights, positions, end):
         if isinstance(keys, FP8Keys):
@@ -40,22 +40,13 @@ class TritonIndexer(Indexer):
         dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values, keys.scales,
                                       rows=positions)
 
-    def top(self, q, keys, weights, positions, end):
-        """With sampled_topk, a prefill's rows of enough keys: their top-k kept as the scores are computed
-        (dsa_triton.indexer_topk: the scores never go through memory)."""
-        wide = end >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP
-        if not (self.sampled_topk and wide and q.shape[0] > RADIX_ROWS):
-            return super().top(q, keys, weights, positions, end)
-        if isinstance(keys, FP8Keys):
-            return dsa_triton.indexer_topk(q, keys.values[:end], weights, positions, self.topk,
-                                           key_scales=keys.scales[:end], q_fp8=None if self.fp8_queries else False)
-        return dsa_triton.indexer_topk(q, keys[:end], weights, positions, self.topk)
-
     def select(self, scores):
-        """Decode rows (up to 4) by the radix select; more at once (a prefill's) by torch.topk, faster there than the
-        radix select (bench/RESULTS.md)."""
+        """Decode rows (up to 4) by the radix select; more at once (a prefill's) by the sampled threshold where they
+        are wide (sampled_topk), else by torch.topk, faster there than the radix select (bench/RESULTS.md)."""
         if scores.shape[0] <= RADIX_ROWS:
             return topk_triton.topk_indices(scores, self.topk)
+        if self.sampled_topk and scores.shape[1] >= topk_triton.SAMPLED_WIDTH and 2 * self.topk <= topk_triton.CAP:
+            return topk_triton.topk_sampled(scores, self.topk)
         return super().select(scores)
 
     def query_chunk(self, n_keys: int) -> int:
@@ -111,14 +102,12 @@ class TritonAttention(Attention):
 class TritonIndexerOperator(IndexerOperator):
     """kwargs: fp8_queries (default true): over FP8 keys on a GPU with FP8 tensor cores, a prefill chunk's queries go
     to e4m3 per (query, head) and the scores take FP8 dots, as DeepSeek's indexer and vLLM's do (faster; selections
-    near a tie can differ from bf16 queries'); false keeps them in the compute dtype. sampled_topk (default false): a
-    prefill's queries over 65536 keys and more keep their top-k as the scores are computed (dsa_triton.indexer_topk:
-    the same set as torch.topk's, the [queries, keys] scores never written). Over a whole 1M prefill on the H200 it
-    measured within run-to-run noise of torch.topk's (bench/RESULTS.md: 291 s against 308 s of indexer in one call,
-    309 s against 293 s in another), so it stays off."""
+    near a tie can differ from bf16 queries'); false keeps them in the compute dtype. sampled_topk (default true): a
+    prefill's rows of 65536 keys and more take their top-k by a sample's threshold and one read of the scores
+    (topk_triton.topk_sampled: torch.topk's set, ties lowest position first); false: torch.topk."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
-        parsed = {name: kwargs.get(name, default) for name, default in (("fp8_queries", True), ("sampled_topk", False))}
+        parsed = {name: kwargs.get(name, default) for name, default in (("fp8_queries", True), ("sampled_topk", True))}
         for name, value in parsed.items():
             if not isinstance(value, bool):
                 raise Glm5Error(f"{name} must be true or false, got {value!r}")
