@@ -1,5 +1,6 @@
 """Shared fixtures: tiny checkpoints written by transformers itself, and by `glm5 make-tiny`."""
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -134,16 +135,22 @@ def trained_checkpoint(tmp_path_factory):
     random model's logits are nearly tied, so any rounding flips its greedy tokens; a trained one's say what a
     format costs. (40 steps at lr 3e-3 left some tokens within 0.4 of the next logit, and which ones depended on
     the CPU the training ran on: an int4 test passed on one 2-core box and agreed 83% on another.)"""
-    hf = build_hf_model("glm_moe_dsa", q_lora_rank=64).train()
     data = torch.randint(4, 320, (4, 80), generator=torch.Generator().manual_seed(1))
-    optimizer = torch.optim.Adam(hf.parameters(), lr=2e-3)
-    for _ in range(250):
-        loss = hf(data, labels=data).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    path = tmp_path_factory.mktemp("trained")
-    hf.eval().to(torch.bfloat16).save_pretrained(path)
+    # trained once a run: under xdist the workers share the run's temporary folder, the first one trains
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    path = shared / "trained"
+    with open(shared / "trained.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            hf = build_hf_model("glm_moe_dsa", q_lora_rank=64).train()
+            optimizer = torch.optim.Adam(hf.parameters(), lr=2e-3)
+            for _ in range(250):
+                loss = hf(data, labels=data).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            hf.eval().to(torch.bfloat16).save_pretrained(path)
     return path, data
 
 
@@ -210,12 +217,8 @@ def assert_bf16_of(got: torch.Tensor, want: torch.Tensor):
 def cli_env(env: dict | None = None) -> dict:
     """The environment of a `glm5` child process: as a machine without a GPU runs it, the GPU operators through
     their references, not Triton's interpreter (the kernels are tested in this process; the interpreter would make
-    each command 4x slower). env: variables set on top (TRITON_INTERPRET=1 to compare with this process's engine)."""
+    each command 4x slower). env: variables set on top."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TRITON_INTERPRET": "0", **(env or {})}
-
-
-AS_THIS_PROCESS = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}  # a child that computes as this
-# process does: for a comparison with an engine run here
 
 
 def glm5(*args, env=None, check=True, timeout=600):

@@ -293,7 +293,7 @@ def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_di
     from glm5_offload.runtime.engine import Engine
     from glm5_offload.runtime.kv_cache import new_cache
 
-    ids = torch.arange(12, 60)
+    ids = torch.arange(12, 44)  # past the tiny model's index_topk (16): sparse attention
     logits = {}
     for name in SHIPPED:
         model = load_model(tiny_dir(), dtype=torch.float32, rules=load_rules(name), device="cpu")
@@ -301,8 +301,8 @@ def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_di
         logits[name] = model(ids, new_cache(model, 128), logits_for="last")[0]
         engine = Engine(model, max_seq_len=128)
         engine.stop_ids = set()
-        out = engine.generate(ids.tolist(), 4).output_ids
-        assert len(out) == 4 and all(0 <= t < model.config.vocab_size for t in out)
+        out = engine.generate(ids.tolist(), 2).output_ids
+        assert len(out) == 2 and all(0 <= t < model.config.vocab_size for t in out)
     for name in ("glm5-reference.yaml", "glm5-gpu.yaml"):
         assert torch.allclose(logits[name], logits["glm5-cpu.yaml"], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(logits["glm5.yaml"]).all()

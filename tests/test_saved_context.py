@@ -31,28 +31,29 @@ def engine(path, rules="glm5-cpu", max_seq_len=512, **kw):
     return e
 
 
-@pytest.mark.parametrize("rules, tokens", [("glm5-cpu", 100), ("glm5", 40)])  # the plain cache; the tiered FP8
-def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, rules, tokens):  # rows and keys
+@pytest.mark.parametrize("rules, tokens, n", [("glm5-cpu", 100, 4), ("glm5", 40, 2)])  # the plain cache; the
+def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, rules, tokens, n):  # tiered FP8 one
     """Resumed, an engine decodes what the engine that saved would have; with the plain fp32 operators also what a
     fresh run of the whole prompt does (the fast ones' sums depend on how the prompt is cut into chunks, as any
     prefix reuse's do). Both prompts are longer than the tiny model's index_topk (16): attention is sparse; the fast
-    operators' is 40 tokens (Triton's interpreter runs a program per token for the router)."""
+    operators' is 40 tokens and n 2 new tokens a turn (Triton's interpreter runs a program per token for the
+    router)."""
     path, first_prompt = tiny_dir(), PROMPT[:tokens]
     first = engine(path, rules)
-    out = first.generate(first_prompt, 4).output_ids
-    n = save_context(first, tmp_path / "ctx.safetensors")
-    assert n == len(first_prompt) + 3  # the prompt and every output token but the last, which was never fed
+    out = first.generate(first_prompt, n).output_ids
+    saved = save_context(first, tmp_path / "ctx.safetensors")
+    assert saved == len(first_prompt) + n - 1  # the prompt and every output token but the last (never fed)
     resumed = engine(path, rules)
-    assert load_context(resumed, tmp_path / "ctx.safetensors") == n
+    assert load_context(resumed, tmp_path / "ctx.safetensors") == saved
     prompt = first_prompt + out + list(range(300, 310))
-    got = resumed.generate(prompt, 4)
-    assert got.reused_tokens == n
-    assert got.output_ids == first.generate(prompt, 4).output_ids  # the saving engine going on: the same cache bits
+    got = resumed.generate(prompt, n)
+    assert got.reused_tokens == saved
+    assert got.output_ids == first.generate(prompt, n).output_ids  # the saving engine going on: the same cache bits
     if rules == "glm5-cpu":  # plain fp32 torch: a fresh run, the whole prompt in one chunk, decodes the same too
-        assert got.output_ids == engine(path, rules).generate(prompt, 4).output_ids
+        assert got.output_ids == engine(path, rules).generate(prompt, n).output_ids
     again = engine(path, rules)  # a prompt that leaves the saved tokens early reuses what it shares
     load_context(again, tmp_path / "ctx.safetensors")
-    assert again.generate(first_prompt + list(range(200, 230)), 4).reused_tokens == len(first_prompt)
+    assert again.generate(first_prompt + list(range(200, 230)), n).reused_tokens == len(first_prompt)
 
 
 def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):

@@ -150,8 +150,8 @@ def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype)
 @pytest.mark.parametrize("device", ON)
 @pytest.mark.parametrize("op", ["attention.reference", "attention.dsa_triton"])
 def test_a_staging_buffer_smaller_than_the_context_reads_in_slabs(hf_checkpoint, tmp_path, device, op, monkeypatch):
-    """prefill_rows 16 for a 40-token prompt chunk and a 60-token one: each chunk reads the rows so far in slabs of
-    16 positions copied in turn from host memory, attention merged over them by log-sum-exp; the logits equal the
+    """prefill_rows 32 for a 40-token prompt chunk and a 60-token one: each chunk reads the rows so far in slabs of
+    32 positions copied in turn from host memory, attention merged over them by log-sum-exp; the logits equal the
     untiered cache's up to fp32 rounding (the sums go in another order). The hot buffer (4 MiB) holds more than the
     context and the window is 4 tokens: a chunk longer than the window must not read the hot buffer (its own
     earlier rows are only in host memory: they read as missing, NaN, before fits_fetch asked for it). The Triton
@@ -163,7 +163,7 @@ def test_a_staging_buffer_smaller_than_the_context_reads_in_slabs(hf_checkpoint,
     kv = "auto" if device == "cuda" else "fp8"
     plain = load_model(path, dtype=torch.float32, rules=plain_rules(tmp_path, device, kv, op))
     tiered = load_model(path, dtype=torch.float32,
-                        rules=offload_rules(tmp_path, device, 4 << 20, 4, kv, op, prefill_rows=16))
+                        rules=offload_rules(tmp_path, device, 4 << 20, 4, kv, op, prefill_rows=32))
     # seeds whose prompts leave no indexer selection of this random model within fp32 rounding of a tie (seeds 5
     # and 6 had one: the slabs' sums in another order flipped it, and every later logit with it)
     prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(7))
@@ -179,7 +179,7 @@ def test_a_staging_buffer_smaller_than_the_context_reads_in_slabs(hf_checkpoint,
 
     def counted(self, layer, indices, positions, end):
         for rows, local, span in original(self, layer, indices, positions, end):
-            assert rows.shape[0] <= 16 and local.shape == indices.shape and local.max() < rows.shape[0]
+            assert rows.shape[0] <= 32 and local.shape == indices.shape and local.max() < rows.shape[0]
             inside = torch.arange(local.shape[1], device=local.device)
             inside = (inside >= span[:, :1]) & (inside < span[:, 1:])
             assert torch.equal(local >= 0, inside)  # the span holds exactly the slab's indices
@@ -189,7 +189,7 @@ def test_a_staging_buffer_smaller_than_the_context_reads_in_slabs(hf_checkpoint,
     monkeypatch.setattr(KVCache, "row_slabs", counted)
     torch.testing.assert_close(run(tiered), want, rtol=1e-4, atol=1e-4)
     layers = len(tiered.model.layers)
-    assert sorted(slabs) == sorted([(40, 16), (40, 16), (40, 8)] * layers + ([(100, 16)] * 6 + [(100, 4)]) * layers)
+    assert sorted(slabs) == sorted([(40, 32), (40, 8)] * layers + ([(100, 32)] * 3 + [(100, 4)]) * layers)
 
 
 def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):
