@@ -203,14 +203,9 @@ def indexer_call_1m(table: list) -> dict:
     thr = topk_triton.sample_threshold(scores[:, :: T // topk_triton.SAMPLE], T, TOPK)
     rows["indexer_call_1m_threshold_ms"] = ceilings.time_ms(
         lambda: topk_triton.sample_threshold(scores[:, :: T // topk_triton.SAMPLE], T, TOPK))
-    count = torch.zeros(S, dtype=torch.int32, device="cuda")
-    cand = torch.full((S, topk_triton.CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device="cuda")
-    block = topk_triton.CANDIDATE_ROWS * topk_triton.CANDIDATE_WIDTH
-    per_program = triton.cdiv(triton.cdiv(T, topk_triton.CANDIDATE_PROGRAMS), block) * block
-    candidates = lambda: topk_triton._candidates_kernel[(S, triton.cdiv(T, per_program))](  # noqa: E731
-        scores, thr, count.zero_(), cand, T, per_program, ROWS=topk_triton.CANDIDATE_ROWS,
-        WIDTH=topk_triton.CANDIDATE_WIDTH, CAP=topk_triton.CAP, num_warps=4)
+    candidates = lambda: topk_triton.candidates(scores, thr)  # noqa: E731
     rows["indexer_call_1m_candidates_kernel_ms"] = ceilings.time_ms(candidates)
+    count, cand = candidates()
     rows["indexer_call_1m_candidates_min_max"] = (count.min().item(), count.max().item())
     rows["indexer_call_1m_candidates_topk_ms"] = ceilings.time_ms(lambda: topk_triton.top_candidates(cand, TOPK))
     table.append((f"indexer prefill call, {S} queries x 1M FP8 keys (causal, spread)",

@@ -241,14 +241,10 @@ def misled_rows(count: torch.Tensor, thr: torch.Tensor, k: int) -> torch.Tensor:
     return (count > CAP) | ((count < k) & (thr != float("-inf")))
 
 
-def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """topk_indices' set for wide rows of scores [S, T] fp32 (T >= SAMPLED_WIDTH, k <= CAP // 2) by a sample's
-    threshold (the comment above) -> [S, k] int64 by score, -1 where fewer are valid (a redone row: topk_indices'
-    order); ties at the k-th score taken lowest position first. Nothing waits for the GPU."""
+def candidates(scores: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of scores [S, T] fp32 (contiguous): (count [S] int32 of the scores at or above thr [S], cand [S, CAP]
+    int64: the first CAP of them as 64-bit keys, the rest of a row below every key)."""
     S, T = scores.shape
-    assert T >= SAMPLED_WIDTH and 2 * k <= CAP, (T, k)
-    scores = scores.float().contiguous()
-    thr = sample_threshold(scores[:, :: T // SAMPLE], T, k)
     count = torch.zeros(S, dtype=torch.int32, device=scores.device)
     cand = torch.full((S, CAP), torch.iinfo(torch.int64).min, dtype=torch.int64, device=scores.device)
     block = CANDIDATE_ROWS * CANDIDATE_WIDTH
@@ -257,5 +253,17 @@ def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
     _candidates_kernel[(S, triton.cdiv(T, per_program))](scores, thr, count, cand, T, per_program,
                                                          ROWS=CANDIDATE_ROWS, WIDTH=CANDIDATE_WIDTH, CAP=CAP,
                                                          num_warps=4)
+    return count, cand
+
+
+def topk_sampled(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_indices' set for wide rows of scores [S, T] fp32 (T >= SAMPLED_WIDTH, k <= CAP // 2) by a sample's
+    threshold (the comment above) -> [S, k] int64 by score, -1 where fewer are valid (a redone row: topk_indices'
+    order); ties at the k-th score taken lowest position first. Nothing waits for the GPU."""
+    S, T = scores.shape
+    assert T >= SAMPLED_WIDTH and 2 * k <= CAP, (T, k)
+    scores = scores.float().contiguous()
+    thr = sample_threshold(scores[:, :: T // SAMPLE], T, k)
+    count, cand = candidates(scores, thr)
     out = top_candidates(cand, k)
     return topk_indices(scores, k, out=out, skip=~misled_rows(count, thr, k))
