@@ -2,7 +2,7 @@
 measured in the same run and against a torch CPU baseline on the same weights.
 
     PYTHONPATH=. python3 bench/bench_experts.py [--experts 256] [--threads N] [--formats bf16,int8,int4]
-        [--prefetch 0,1024,4096]
+        [--prefetch 0,1024,4096] [--tiles 64,512,2048]
 
 Decode: one token, 8 of the layer's experts (random routing, random weights), weight bytes read per
 second = the 8 experts' bytes (values and scales) / time. `+a8` formats quantise the activations to int8
@@ -14,6 +14,8 @@ time, as a plain torch implementation would. Weights are generated in place, nev
 Beside the read bandwidth, one core's compute ceiling: the int4 x int8 row dot over rows that stay in L2 (no DRAM
 read), for one token and for four. --prefetch D1,D2,... times int4 + int8-activation decode with moe_cpu's
 PREFETCH_AHEAD set to each distance, each in a fresh process with its own numba cache, in alternating rounds.
+--tiles N1,N2,... times int4 + int8-activation prefill of chunks of N tokens with moe_cpu's tiles (16 rows x up
+to 8 tokens a vpdpbusd pass) and without them (row dots), each way in a fresh process.
 """
 
 import argparse
@@ -157,6 +159,48 @@ def prefetch_sweep(distances, experts, group, threads, rounds=2) -> list[dict]:
     return [{"prefetch_bytes": d, "runs": r} for d, r in results.items()]
 
 
+def prefill_seconds(run, experts, tokens, rng) -> float:
+    """The faster of two runs of a chunk of `tokens` tokens, each routed to TOP_K random experts, after a warm-up."""
+    x = rng.standard_normal((tokens, HIDDEN), np.float32)
+    ids = np.stack([rng.permutation(experts)[:TOP_K] for _ in range(tokens)]).astype(np.int64)
+    w = rng.random((tokens, TOP_K), np.float32)
+    run(x[:4], ids[:4], w[:4])
+    return min(_timed(lambda: run(x, ids, w)) for _ in range(2))
+
+
+def prefill_flops(tokens: int) -> int:
+    return tokens * TOP_K * 3 * HIDDEN * INTER * 2
+
+
+def tile_times(layer, experts, group, threads, chunks) -> list[float]:
+    """int4 + int8-activation prefill seconds of each chunk size (for tiles_sweep's processes)."""
+    run = lambda x, ids, w: moe_cpu.moe_forward("int4", group, *layer, x, ids, w, threads=threads,  # noqa: E731
+                                                act_int8=True)
+    rng = np.random.default_rng(2)
+    return [prefill_seconds(run, experts, tokens, rng) for tokens in chunks]
+
+
+def tiles_sweep(chunks, experts, group, threads) -> list[dict]:
+    """int4 + int8-activation prefill of each chunk size with tiles and without (moe_cpu.TILES off: row dots), each
+    way in its own process and numba cache (the switch is compiled in)."""
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import numpy as np, bench_experts as b; "
+            "from glm5_offload.kernels import moe_cpu; moe_cpu.TILES = moe_cpu.TILES and {on}; "
+            "layer = b.random_layer('int4', {e}, {g}); print(json.dumps([moe_cpu.TILES, "
+            "b.tile_times(layer, {e}, {g}, {t}, {chunks})]))")
+    rows = []
+    for on in (True, False):
+        with tempfile.TemporaryDirectory() as cache:
+            proc = subprocess.run([sys.executable, "-c", code.format(on=on, e=experts, g=group, t=threads,
+                                                                     chunks=list(chunks))],
+                                  env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True,
+                                  check=True)
+        tiles, seconds = json.loads(proc.stdout.strip().splitlines()[-1])
+        for tokens, sec in zip(chunks, seconds):
+            rows.append({"tiles": tiles, "tokens": tokens, "ms": sec * 1e3, "gflop_s": prefill_flops(tokens) / sec / 1e9})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=False):
     run = lambda x, ids, w: moe_cpu.moe_forward(fmt, group, *layer, x, ids, w, threads=threads,  # noqa: E731
                                                 act_int8=act_int8)
@@ -171,20 +215,14 @@ def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=F
     rel = float(np.linalg.norm(check - base) / np.linalg.norm(base))
     torch_s = sorted(_timed(lambda: torch_baseline(fmt, group, layer, x, ids, w)) for _ in range(3))[1]
 
-    tokens = 512
-    xp = rng.standard_normal((tokens, HIDDEN), np.float32)
-    idp = np.stack([rng.permutation(experts)[:TOP_K] for _ in range(tokens)]).astype(np.int64)
-    wp = rng.random((tokens, TOP_K), np.float32)
-    run(xp[:4], idp[:4], wp[:4])
-    prefill_s = min(_timed(lambda: run(xp, idp, wp)) for _ in range(2))
-    flops = tokens * TOP_K * 3 * HIDDEN * INTER * 2
+    prefill_s = prefill_seconds(run, experts, 512, rng)
     return {
         "format": fmt + ("+a8" if act_int8 else ""), "group": group if fmt != "bf16" else None,
         "decode_ms": decode_s * 1e3, "decode_ms_p10": _percentile(times, 0.1) * 1e3,
         "decode_ms_p90": _percentile(times, 0.9) * 1e3, "decode_gb_s": decode_bytes / decode_s / 1e9,
         "decode_frac_of_read_bw": decode_bytes / decode_s / 1e9 / read_gb_s,
         "torch_decode_ms": torch_s * 1e3, "speedup_vs_torch": torch_s / decode_s,
-        "prefill_512_gflop_s": flops / prefill_s / 1e9, "agreement_vs_torch_rel_err": rel,
+        "prefill_512_gflop_s": prefill_flops(512) / prefill_s / 1e9, "agreement_vs_torch_rel_err": rel,
     }
 
 
@@ -208,6 +246,8 @@ def main(argv=None):
                         help="weight formats; +a8: with int8 activations (integer dots)")
     parser.add_argument("--prefetch", type=distances, default=[], help="int4 + int8-activation decode at these prefetch distances "
                                                            "(bytes, comma-separated; 0: none), each compiled fresh")
+    parser.add_argument("--tiles", type=distances, default=[], help="int4 + int8-activation prefill of chunks of these "
+                        "token counts, with tiles and with row dots, each compiled fresh")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
     numba.set_num_threads(args.threads)
@@ -226,6 +266,17 @@ def main(argv=None):
             gb_s = sorted(r["gb_s"] for r in p["runs"])
             times = ", ".join(f"{r['decode_ms']:.2f}" for r in p["runs"])
             print(f"| {p['prefetch_bytes']} | {times} | {gb_s[0]:.1f}-{gb_s[-1]:.1f} | {gb_s[-1] / read:.0%} |")
+    if args.tiles:
+        results["tiles"] = tiles_sweep(args.tiles, args.experts, args.group, args.threads)
+        print("\n| chunk tokens | tiles ms (GFLOP/s) | row dots ms (GFLOP/s) | tiles / row dots |\n| --- | --- | --- | --- |")
+        by = {(r["tiles"], r["tokens"]): r for r in results["tiles"]}
+        for n in args.tiles:
+            on, off = by.get((True, n)), by[(False, n)]
+            if on is None:
+                print(f"| {n} | - (no VNNI here) | {off['ms']:.1f} ({off['gflop_s']:.0f}) | - |")
+                continue
+            print(f"| {n} | {on['ms']:.1f} ({on['gflop_s']:.0f}) | {off['ms']:.1f} ({off['gflop_s']:.0f}) | "
+                  f"{off['ms'] / on['ms']:.2f}x |")
     layers = {}
     for spec in args.formats.split(","):
         fmt = spec.removesuffix("+a8")

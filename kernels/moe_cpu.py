@@ -94,6 +94,19 @@ def _vnni_quads(builder, acc, u8, s8):
     return builder.call(fn, [acc, u8, s8])
 
 
+def _quads(builder, acc, u8, s8):
+    """_vnni_quads where the CPU has vpdpbusd; elsewhere the same sums by widening to int32 (slow: for tests)."""
+    if _has_vnni():
+        return _vnni_quads(builder, acc, u8, s8)
+    lanes = u8.type.count
+    wide = ir.VectorType(ir.IntType(32), lanes)
+    p = builder.mul(builder.zext(u8, wide), builder.sext(s8, wide))
+    quarter = ir.VectorType(ir.IntType(32), lanes // 4)
+    for k in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(quarter, list(range(k, lanes, 4)))))
+    return acc
+
+
 def _has_vnni() -> bool:
     """Whether the CPU numba compiles for has AVX512-VNNI (vpdpbusd). GLM5_NO_VNNI=1 takes the portable
     path (a test does, with a fresh NUMBA_CACHE_DIR: numba's cache does not know this variable)."""
@@ -300,6 +313,91 @@ def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
     return types.UniTuple(types.float32, count)(row, scales, vqs, vss, vsums), codegen
 
 
+# ------------------------------------------- a tile: 16 int4 rows x several int8 vectors (prefill)
+#
+# A row dot keeps the row's inputs in the vector lanes, so each group of 128 costs every (row, vector) pair a
+# conversion and a scale, and each vector's bytes are loaded again for every row. A tile puts 16 rows in the lanes
+# instead: a group's 64 bytes of 16 rows are loaded (16 vectors) and transposed by 32-bit quads (4 shuffle stages),
+# so lane i of quad vector j holds row i's bytes 4j..4j+3, whose low nibbles are inputs 4j..4j+3 of the group and
+# high nibbles inputs 64+4j..64+4j+3. Each vector's 4 matching inputs are one broadcast, and one vpdpbusd adds 4
+# products to all 16 rows: the transposition and the unpacking are shared by the tile's vectors, the group's scale
+# is one vector FMA per vector, and nothing is summed across lanes.
+
+TILE_ROWS = 16  # rows a tile: one per int32 lane of a 512-bit vector
+TILE_VECTORS = 8  # vectors a tile at most (their accumulators and the 16 quad vectors fill the 32 registers)
+TILE_GROUP = 128  # the only group size tiles take: a group's half (64 bytes a row) is one 16 x 16 quad transpose
+
+
+def _transpose16(builder, vectors):
+    """16 <16 x i32> vectors (rows) -> their transpose (vector j holds lane j of each): 4 stages of blocks swapped
+    across pairs of vectors d apart, d = 8, 4, 2, 1."""
+    v = list(vectors)
+    for d in (8, 4, 2, 1):
+        keep = ir.Constant(ir.VectorType(ir.IntType(32), 16), [j if j & d == 0 else 16 + j - d for j in range(16)])
+        swap = ir.Constant(ir.VectorType(ir.IntType(32), 16), [j + d if j & d == 0 else 16 + j for j in range(16)])
+        for i in range(16):
+            if i & d == 0:
+                v[i], v[i + d] = (builder.shuffle_vector(v[i], v[i + d], keep),
+                                  builder.shuffle_vector(v[i], v[i + d], swap))
+    return v
+
+
+@intrinsic
+def _tile_u4q(typingctx, rows, ws, vqs, vss, vsums, out):
+    """out[t, i] = sum_g ws[g, i] vss[t][g] (sum_j nibble(i, g, j) vqs[t][128 g + j] - 8 vsums[t][g]) for each vector t
+    of the tuples: rows [16, K/2] uint8 (int4 in groups of 128, int_groups' layout; rows a stride apart), ws [K/128, 16]
+    fp32 (the rows' scales, group-major), vqs int8 [K], vss fp32 and vsums int32 [K/128] (their group scales and sums),
+    out [len(vqs), 16] fp32. Fast with AVX512-VNNI only (moe_layer takes tiles there; elsewhere they are for tests)."""
+    count = len(vqs)
+
+    def codegen(context, builder, signature, args):
+        rows_a, ws_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:2], args[:2]))
+        out_a = context.make_array(signature.args[5])(context, builder, args[5])
+        vq_a, vs_a, sum_a = ([context.make_array(t.dtype)(context, builder, builder.extract_value(v, k))
+                              for k in range(count)] for t, v in zip(signature.args[2:5], args[2:5]))
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        i32v, i8v, f32v = ir.VectorType(i32, 16), ir.VectorType(ir.IntType(8), 64), ir.VectorType(ir.FloatType(), 16)
+        stride = cgutils.unpack_tuple(builder, rows_a.strides, 2)[0]
+        n_groups = cgutils.unpack_tuple(builder, ws_a.shape, 2)[0]
+        low_mask, shift = ir.Constant(i8v, [15] * 64), ir.Constant(i8v, [4] * 64)
+        totals = [cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in range(count)]
+
+        def quad(vq, at):  # 4 int8 inputs at byte `at`, broadcast to every lane
+            word = builder.load(builder.bitcast(builder.gep(vq.data, [at]), i32.as_pointer()), align=1)
+            return builder.bitcast(_splat(builder, word, 16), i8v)
+
+        with cgutils.for_range(builder, n_groups) as groups:
+            g = groups.index
+            half = builder.mul(g, ir.Constant(i64, TILE_GROUP // 2))  # the group's bytes in each row
+            lines = []
+            for i in range(TILE_ROWS):
+                at = builder.add(builder.mul(stride, ir.Constant(i64, i)), half)
+                _prefetch(builder, rows_a.data, at)
+                lines.append(builder.bitcast(_load_i8(builder, rows_a.data, at, 64), i32v))
+            quads = _transpose16(builder, lines)
+            accs = [ir.Constant(i32v, None)] * count
+            first = builder.mul(g, ir.Constant(i64, TILE_GROUP))
+            for j, q in enumerate(quads):
+                b = builder.bitcast(q, i8v)
+                low, high = builder.and_(b, low_mask), builder.lshr(b, shift)
+                lo_at = builder.add(first, ir.Constant(i64, 4 * j))
+                hi_at = builder.add(lo_at, ir.Constant(i64, TILE_GROUP // 2))
+                accs = [_quads(builder, _quads(builder, acc, low, quad(vq, lo_at)), high, quad(vq, hi_at))
+                        for acc, vq in zip(accs, vq_a)]
+            scales = builder.load(builder.bitcast(builder.gep(ws_a.data, [builder.mul(g, ir.Constant(i64, 16))]),
+                                                  f32v.as_pointer()), align=4)
+            for acc, total, vs, sums in zip(accs, totals, vs_a, sum_a):
+                offset = builder.mul(builder.load(builder.gep(sums.data, [g])), ir.Constant(i32, 8))
+                dots = builder.sitofp(builder.sub(acc, _splat(builder, offset, 16)), f32v)
+                scale = builder.fmul(scales, _splat(builder, _float_at(builder, vs, g), 16), flags=_FP_FLAGS)
+                builder.store(_fma(builder, builder.load(total), dots, scale), total)
+        for t, total in enumerate(totals):
+            at = builder.bitcast(builder.gep(out_a.data, [ir.Constant(i64, 16 * t)]), f32v.as_pointer())
+            builder.store(builder.load(total), at, align=4)
+        return context.get_dummy_value()
+    return types.none(rows, ws, vqs, vss, vsums, out), codegen
+
+
 @njit(nogil=True, cache=True)
 def _quantize_rows(v, group, q, scales, sums):
     """v [N, K] fp32 -> q [N, K] int8, scales and sums of q [N, K/group] (fp32 amax / 127, int32) per group
@@ -339,6 +437,35 @@ def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
         p += DOTS_AT_ONCE
     for q in range(p, last):
         out[q] = _row_dots_u4q(row, scales, (vq[which[q]],), (vs[which[q]],), (vsum[which[q]],))[0]
+
+
+TILES = _has_vnni()  # tiles need vpdpbusd
+TILE_MIN = 4  # an expert's vectors from which its int4 rows go by tiles (fewer: row dots)
+
+
+@njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
+def _tile_rows(w, s, r0, vq, vs, vsum, which, first, last, ws, res):
+    """res[p - first, i] = row r0 + i of w (int4 [R, K/2], scales s [R, K/128]) . vq[which[p]] for p in first..last-1
+    and i < TILE_ROWS (vq int8 vectors with group scales vs and sums vsum): tiles of TILE_VECTORS vectors, then of 4,
+    the last one padded by repeating the last vector (res has 3 rows to spare); ws [K/128, TILE_ROWS] scratch."""
+    for g in range(s.shape[1]):
+        for i in range(TILE_ROWS):
+            ws[g, i] = s[r0 + i, g]
+    rows = w[r0 : r0 + TILE_ROWS]
+    p = first
+    while p + TILE_VECTORS <= last:
+        a, b, c, d = which[p], which[p + 1], which[p + 2], which[p + 3]
+        e, f, g, h = which[p + 4], which[p + 5], which[p + 6], which[p + 7]
+        _tile_u4q(rows, ws, (vq[a], vq[b], vq[c], vq[d], vq[e], vq[f], vq[g], vq[h]),
+                  (vs[a], vs[b], vs[c], vs[d], vs[e], vs[f], vs[g], vs[h]),
+                  (vsum[a], vsum[b], vsum[c], vsum[d], vsum[e], vsum[f], vsum[g], vsum[h]),
+                  res[p - first : p - first + TILE_VECTORS])
+        p += TILE_VECTORS
+    while p < last:
+        a, b, c, d = which[p], which[min(p + 1, last - 1)], which[min(p + 2, last - 1)], which[min(p + 3, last - 1)]
+        _tile_u4q(rows, ws, (vq[a], vq[b], vq[c], vq[d]), (vs[a], vs[b], vs[c], vs[d]),
+                  (vsum[a], vsum[b], vsum[c], vsum[d]), res[p - first : p - first + 4])
+        p += 4
 
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
@@ -433,16 +560,31 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     xs = np.empty((xq.shape[0], hidden // group), np.float32)
     x_qsums = np.empty((xq.shape[0], hidden // group), np.int32)
     _quantize_rows(x[: xq.shape[0]], group, xq, xs, x_qsums)
+    tiles = (TILES and fmt == 2 and act_int8 and group == TILE_GROUP and rows13 % TILE_ROWS == 0
+             and hidden % TILE_ROWS == 0)
+    most = 0  # pairs of the busiest expert
+    for a in range(n_active):
+        most = max(most, expert_start[a + 1] - expert_start[a])
     blocks13 = (rows13 + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(n_active * blocks13):  # gate and up: (expert, block of rows)
         a, block = item // blocks13, item % blocks13
-        e = expert_ids[a]
+        e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
+        end = min(rows13, (block + 1) * ROW_BLOCK)
+        if tiles and last - first >= TILE_MIN:
+            ws = np.empty((hidden // group, TILE_ROWS), np.float32)
+            res = np.empty((most + 3, TILE_ROWS), np.float32)
+            for r0 in range(block * ROW_BLOCK, end, TILE_ROWS):
+                _tile_rows(w13[e], s13[e], r0, xq, xs, x_qsums, pair_token, first, last, ws, res)
+                for p in range(first, last):
+                    for i in range(TILE_ROWS):
+                        gu[p, r0 + i] = res[p - first, i]
+            continue
         buf = np.empty(hidden, np.float32)
         dots = np.empty(n_pairs, np.float32)
-        for r in range(block * ROW_BLOCK, min(rows13, (block + 1) * ROW_BLOCK)):
+        for r in range(block * ROW_BLOCK, end):
             _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs, x_qsums,
-                        pair_token, expert_start[a], expert_start[a + 1], buf, dots)
-            for p in range(expert_start[a], expert_start[a + 1]):
+                        pair_token, first, last, buf, dots)
+            for p in range(first, last):
                 gu[p, r] = dots[p]
     lim = np.float32(limit)
     for p in prange(n_pairs):  # SiLU(gate) * up
@@ -465,9 +607,19 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     for block in prange(blocks2):  # down: each thread owns a block of output rows
         buf = np.empty(inter, np.float32)
         dots = np.empty(n_pairs, np.float32)
+        ws = np.empty((inter // group, TILE_ROWS), np.float32)
+        res = np.empty((most + 3, TILE_ROWS), np.float32)
+        end = min(hidden, (block + 1) * ROW_BLOCK)
         for a in range(n_active):
-            e = expert_ids[a]
-            for r in range(block * ROW_BLOCK, min(hidden, (block + 1) * ROW_BLOCK)):
+            e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
+            if tiles and last - first >= TILE_MIN:
+                for r0 in range(block * ROW_BLOCK, end, TILE_ROWS):
+                    _tile_rows(w2[e], s2[e], r0, aq, a_scales, a_qsums, pairs, first, last, ws, res)
+                    for p in range(first, last):
+                        for i in range(TILE_ROWS):
+                            out[pair_token[p], r0 + i] += pair_weight[p] * res[p - first, i]
+                continue
+            for r in range(block * ROW_BLOCK, end):
                 _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
                             a_qsums, pairs, expert_start[a], expert_start[a + 1], buf, dots)
                 for p in range(expert_start[a], expert_start[a + 1]):

@@ -11,7 +11,8 @@ from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.loader import load_model
 from glm5_offload.ops import experts_numba
-from glm5_offload.ops.expert_ring import DEPTH, ExpertRing
+from glm5_offload.checkpoint import memory_map
+from glm5_offload.ops.expert_ring import DEPTH, ExpertRing, page_locked
 from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.kv_cache import new_cache
@@ -191,6 +192,7 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{format: bf16, activations: int8}", "activations: int8 needs format int8 or int4"),
     ("{gpu_tokens: 0}", "gpu_tokens must be a positive number of tokens"),
     ("{gpu_ring: 1}", "gpu_ring must be a number of experts, at least 2, got 1"),
+    ("{pin_experts: 1}", "pin_experts must be true or false, got 1"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     refused_rule(tmp_path, "Experts", f"op: experts.numba, device: cpu, kwargs: {kwargs}", needle)
@@ -304,6 +306,23 @@ def test_the_next_layers_transfers_run_under_the_gpus_work():
     assert not done.query(), "the GPU finished its work before the next layer's experts arrived"
     assert busy.isfinite().all()
     check_on_device(second, 16, 8, g)
+
+
+@pytest.mark.gpu
+def test_memory_mapped_experts_stream_from_their_locked_pages(tmp_path):
+    """The engine's case: a layer's experts memory-mapped from a stored file are page-locked as they first stream and
+    each is one DMA from there; the results equal the reference, as the staged path's do (pin=False). An array in
+    the heap is never locked (it may share its pages)."""
+    from safetensors.numpy import save_file
+
+    ((experts, w13, w2),) = random_layers(1, "int4", 32, E=48)
+    save_file(experts._packed(), tmp_path / "layer.safetensors")
+    arrays = memory_map(tmp_path / "layer.safetensors")
+    assert not any(page_locked(a) for a in experts._packed().values())
+    for pin in (True, False):
+        layer = NumbaExperts(arrays, "int4", 32, threads=2, gpu_tokens=4, gpu_ring=4, pin=pin)
+        check_on_device((layer, w13, w2), 16, 4, torch.Generator().manual_seed(11))
+    assert all(page_locked(a) for a in arrays.values())
 
 
 @pytest.mark.gpu

@@ -108,6 +108,29 @@ def test_grouping_keeps_every_pair():
     assert sorted(zip(token.tolist(), weight.tolist())) == [(0, 0.0), (0, 1.0), (1, 2.0), (1, 3.0), (2, 4.0), (2, 5.0)]
 
 
+@pytest.mark.parametrize("first, last", [(0, 21), (2, 11), (3, 7), (5, 6), (0, 8)])
+def test_a_tile_equals_exact_integer_dots(first, last):
+    """_tile_rows: 16 int4 rows (groups of 128, from row 2 of 20) times int8 vectors chosen through `which`, by tiles of
+    8 vectors then 4 (the last padded with repeats), against integer dots in numpy scaled per group. Where the CPU
+    lacks VNNI the tile's quads are widened to int32 instead: the same sums."""
+    rng = np.random.default_rng(first * 31 + last)
+    groups, n = 3, 21
+    w = rng.integers(0, 256, (20, 64 * groups), dtype=np.uint8)
+    s = rng.random((20, groups), dtype=np.float32)
+    vq = rng.integers(-127, 128, (n, 128 * groups), dtype=np.int8)
+    vs = rng.random((n, groups), dtype=np.float32)
+    vsum = vq.reshape(n, groups, 128).sum(-1).astype(np.int32)
+    which = rng.permutation(n).astype(np.int32)
+    res = np.full((n + 3, 16), np.nan, np.float32)
+    moe_cpu._tile_rows(w, s, 2, vq, vs, vsum, which, first, last, np.empty((groups, 16), np.float32), res)
+    nibbles = w[2:18].reshape(16, groups, 64)
+    weights = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).astype(np.int64) - 8  # [16, G, 128]
+    chosen = which[first:last]
+    dots = np.einsum("rgk,tgk->trg", weights, vq[chosen].reshape(-1, groups, 128).astype(np.int64))
+    want = (dots * s[2:18][None] * vs[chosen][:, None, :]).sum(-1)
+    assert np.abs(res[: last - first] - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_generated_code_is_vectorised():
     """Vector FMAs on wide registers, widening int8 loads, int4 weights prefetched ahead of their loads; read off a
     fresh (uncached) compile."""
@@ -127,8 +150,9 @@ def test_generated_code_is_vectorised():
     assert re.search(rf"prefetcht0\s+{moe_cpu.PREFETCH_AHEAD}\(", asm)  # the line PREFETCH_AHEAD bytes on
     # int8 activations: widening multiply-adds, int16 pairs into int32 (vpdpwssd where AVX512-VNNI is there)
     assert re.search(r"(vpmaddwd|vpdpwssd)\s+[^\n]*%[yz]mm", asm)
-    if moe_cpu._has_vnni():  # int4 nibbles straight into u8 x s8 quads
+    if moe_cpu._has_vnni():  # int4 nibbles straight into u8 x s8 quads; a tile's inputs broadcast from memory
         assert re.search(r"vpdpbusd\s+[^\n]*%zmm", asm)
+        assert re.search(r"vpdpbusd\s+[^\n]*\{1to16\}", asm)
 
 
 def test_int8_activations_without_vnni(tmp_path):

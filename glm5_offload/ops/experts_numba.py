@@ -7,7 +7,8 @@ queues that copy, the MoE block then queues the shared expert on the GPU, host()
 one synchronisation) and runs the experts on every core while the GPU works, and finish() queues the result's
 copy back. From `gpu_tokens` tokens up (long prefill chunks), the layer runs on the GPU instead: each active
 expert's packed weights stream there (expert_ring.py: a copy stream several experts ahead of the matmuls), are
-dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens.
+dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens; the stored layers' memory
+maps are page-locked for that the first time they stream (`pin_experts`), so each expert is one DMA from them.
 """
 
 from collections.abc import Iterable
@@ -71,13 +72,14 @@ class NumbaExperts(nn.Module):
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
                  act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH,
-                 limit: float | None = None):
+                 limit: float | None = None, pin: bool = True):
         super().__init__()
         self.limit = limit  # SwiGLU's clamp (GLM-5.3-Flash)
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
         self.fmt, self.group, self.threads, self.act_int8 = fmt, group, threads, act_int8
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
         self.gpu_ring = gpu_ring  # experts the GPU holds at once for them (expert_ring.py)
+        self.pin = pin  # whether the ring page-locks the arrays and transfers from them
         self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (chain_layers)
 
     def extra_repr(self) -> str:
@@ -98,7 +100,7 @@ class NumbaExperts(nn.Module):
         `experts` is drawn ahead (to its end on the CPU) before the first yield."""
         arrays = self._packed()
         if device.type == "cuda":
-            yield from ExpertRing.on(device, arrays, self.gpu_ring).stream(self, arrays, experts)
+            yield from ExpertRing.on(device, arrays, self.gpu_ring, self.pin).stream(self, arrays, experts)
         else:
             yield from ((e, {n: torch.from_numpy(np.array(a[e])) for n, a in arrays.items()}) for e in list(experts))
 
@@ -111,7 +113,7 @@ class NumbaExperts(nn.Module):
     def prefetch(self, device: torch.device):
         """Start this layer's first experts towards the GPU's ring, ahead of a long chunk's on_device."""
         arrays = self._packed()
-        ExpertRing.on(device, arrays, self.gpu_ring).prefetch(self, arrays, range(self.w13.shape[0]))
+        ExpertRing.on(device, arrays, self.gpu_ring, self.pin).prefetch(self, arrays, range(self.w13.shape[0]))
 
     def _matrix(self, packed: dict[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
         """An expert's w13 ([2I, H]) or w2 ([H, I]) in dtype, from its packed arrays on the device."""
@@ -212,11 +214,12 @@ def chain_layers(layers: list[NumbaExperts]):
 class NumbaExpertsOperator(ExpertsOperator):
     """kwargs: format (bf16 | int8 | int4), group_size (32 | 64 | 128; by default the largest that fits), threads,
     cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring
-    (experts the GPU holds)."""
+    (experts the GPU holds), pin_experts (page-lock the stored experts as they first stream to the GPU: true, the
+    default, or false: staged through pinned buffers by a host thread)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
-             "gpu_tokens": None, "gpu_ring": DEPTH, **kwargs}
+             "gpu_tokens": None, "gpu_ring": DEPTH, "pin_experts": True, **kwargs}
         if k["format"] not in BITS:
             raise Glm5Error(f"format must be one of {', '.join(BITS)}, got {k['format']!r}")
         if k["group_size"] is not None and k["group_size"] not in GROUP_SIZES:
@@ -233,6 +236,8 @@ class NumbaExpertsOperator(ExpertsOperator):
             raise Glm5Error(f"gpu_tokens must be a positive number of tokens, got {k['gpu_tokens']!r}")
         if not is_positive_int(k["gpu_ring"]) or k["gpu_ring"] < 2:
             raise Glm5Error(f"gpu_ring must be a number of experts, at least 2, got {k['gpu_ring']!r}")
+        if not isinstance(k["pin_experts"], bool):
+            raise Glm5Error(f"pin_experts must be true or false, got {k['pin_experts']!r}")
         return k
 
     def check(self, slot: Slot):
@@ -274,7 +279,7 @@ class NumbaExpertsOperator(ExpertsOperator):
         if arrays is None:
             arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group))
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
-                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit)
+                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"])
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
@@ -282,5 +287,5 @@ class NumbaExpertsOperator(ExpertsOperator):
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
-    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring"),
+    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring", "pin_experts"),
     devices=("cpu",))
