@@ -3,7 +3,9 @@
 the GPU (each active expert's packed weights, dequantised there, bf16 matmuls). The layer is written to a
 safetensors file under --folder and memory-mapped, as the engine holds its expert cache; the GPU path is timed
 both ways an expert reaches the GPU: one DMA from the page-locked map (`pin_experts: true`, the default) and
-staged through pinned buffers by a host thread (false). The chunk size where the GPU path wins is the
+staged through pinned buffers by a host thread (false), and split (below `split_tokens`, default 1024; here at
+every size: the lightest experts on the CPU cores at the same time, in the share their speeds, measured on the
+chunk's first run, balance). Each mode's figure is its second run of the chunk. The chunk size where the GPU path wins is the
 `gpu_tokens` kwarg of experts.numba to set; it is measured here, not guessed. Against the pinned copy bandwidth
 measured in the same run.
 
@@ -23,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import bench_experts
 import numpy as np
@@ -52,13 +55,14 @@ def mapped_layer(args) -> dict[str, np.ndarray]:
     path = os.path.join(args.folder, f"bench-prefill-experts-{args.format}-g{args.group}.safetensors")
     save_file({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, path)
     del v13, s13, v2, s2
-    return memory_map(path)
+    return memory_map(Path(path))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--format", default="int4", choices=["bf16", "int8", "int4"])
     parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--activations", default="int8", choices=["fp32", "int8"], help="the CPU kernels' inputs")
     parser.add_argument("--chunks", default="64,256,1024,4096")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--profile", action="store_true",
@@ -75,8 +79,11 @@ def main(argv=None):
     if args.sequence:
         return sequence(arrays, args)
     v13, s13, v2, s2 = (arrays[n] for n in ("w13", "s13", "w2", "s2"))
-    experts = NumbaExperts(arrays, args.format, args.group, args.threads)
-    staged = NumbaExperts(arrays, args.format, args.group, args.threads, pin=False)
+    act_int8 = args.activations == "int8"
+    experts = NumbaExperts(arrays, args.format, args.group, args.threads, act_int8, split_tokens=None)
+    modes = {"gpu": experts, "staged": NumbaExperts(arrays, args.format, args.group, args.threads, act_int8, pin=False,
+                                                     split_tokens=None),
+             "split": NumbaExperts(arrays, args.format, args.group, args.threads, act_int8, split_tokens=1 << 30)}
     layer_bytes = sum(a.nbytes for a in (v13, s13, v2, s2))
     cuda = torch.cuda.is_available()
     h2d = None
@@ -102,7 +109,7 @@ def main(argv=None):
         x = torch.from_numpy(rng.standard_normal((tokens, HIDDEN), np.float32))
         ids = torch.from_numpy(np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(tokens)]))
         w = torch.from_numpy(rng.random((tokens, TOP_K), np.float32))
-        experts.forward(x[:2], ids[:2], w[:2])  # compile / warm
+        experts.forward(x, ids, w)  # compiled, the maps read
         t0 = time.perf_counter()
         experts.forward(x, ids, w)
         cpu_s = time.perf_counter() - t0
@@ -110,8 +117,8 @@ def main(argv=None):
         if cuda:
             xg, idg, wg = x.cuda().bfloat16(), ids.cuda(), w.cuda()
             moved = sum(a[e].nbytes for e in ids.unique().tolist() for a in (v13, s13, v2, s2) if a.ndim == 3)
-            for key, layer in (("gpu", experts), ("staged", staged)):
-                layer.on_device(xg[:2], idg[:2], wg[:2])  # the first: kernels compiled, the maps page-locked
+            for key, layer in modes.items():
+                layer.on_device(xg, idg, wg)  # the first: kernels compiled, the maps page-locked, the split measured
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 layer.on_device(xg, idg, wg)
@@ -131,11 +138,12 @@ def main(argv=None):
     print(f"\nlayer: {args.format}/g{args.group}, {layer_bytes / 2**30:.2f} GiB; pinned H2D copy "
           f"{h2d or 0:.1f} GB/s; GPU path faster from {crossover} tokens" if cuda else "\n(no GPU: CPU figures only)")
     print("| chunk tokens | active experts | CPU ms | GPU-streamed ms, page-locked | streamed GB/s (of H2D) | "
-          "staged ms (GB/s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "staged ms (GB/s) | split ms (x the faster alone) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         gpu = (f"{r['gpu_ms']:.1f} | {r['gpu_gb_s']:.1f} ({r['of_h2d']:.0%}) | {r['staged_ms']:.1f} "
-               f"({r['staged_gb_s']:.1f})" if "gpu_ms" in r else "- | - | -")
+               f"({r['staged_gb_s']:.1f}) | {r['split_ms']:.1f} ({r['split_ms'] / min(r['cpu_ms'], r['gpu_ms']):.2f}x)"
+               if "gpu_ms" in r else "- | - | - | -")
         print(f"| {r['tokens']} | {r['active_experts']} | {r['cpu_ms']:.1f} | {gpu} |")
     return rows
 
@@ -184,7 +192,7 @@ def sequence(arrays: dict, args) -> list[dict]:
         for attention_ms in (float(a) for a in args.attention_ms.split(",")):
             attention = stand_in(attention_ms) if attention_ms else (lambda: None)
             for prefetch in (False, True):
-                layers = [NumbaExperts(arrays, args.format, args.group, None, gpu_tokens=1, gpu_ring=depth)
+                layers = [NumbaExperts(arrays, args.format, args.group, None, gpu_tokens=1, gpu_ring=depth, split_tokens=None)
                           for _ in range(args.layers)]
                 if prefetch:
                     chain_layers(layers)

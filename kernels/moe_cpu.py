@@ -626,29 +626,32 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                     out[pair_token[p], r] += pair_weight[p] * dots[p]
 
 
-def group_by_expert(ids: np.ndarray, weights: np.ndarray):
-    """ids/weights [T, k] -> pair_token, pair_weight, expert_ids, expert_start (see moe_layer)."""
-    flat = ids.reshape(-1)
+def group_by_expert(ids: np.ndarray, weights: np.ndarray, only: np.ndarray | None = None):
+    """ids/weights [T, k] -> pair_token, pair_weight, expert_ids, expert_start (see moe_layer); with `only` (expert
+    ids), the pairs of those experts alone."""
+    flat, tokens, pair_weights = ids.reshape(-1), np.arange(ids.size) // ids.shape[1], weights.reshape(-1)
+    if only is not None:
+        kept = np.isin(flat, only)
+        flat, tokens, pair_weights = flat[kept], tokens[kept], pair_weights[kept]
     order = np.argsort(flat, kind="stable")
     experts, counts = np.unique(flat[order], return_counts=True)
     start = np.zeros(len(experts) + 1, np.int32)
     np.cumsum(counts, out=start[1:])
-    pair_token = (order // ids.shape[1]).astype(np.int32)
-    pair_weight = weights.reshape(-1)[order].astype(np.float32)
-    return pair_token, pair_weight, experts.astype(np.int32), start
+    return (tokens[order].astype(np.int32), pair_weights[order].astype(np.float32), experts.astype(np.int32),
+            start)
 
 
 def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                 threads: int | None = None, act_int8: bool = False, scratch: dict | None = None,
-                limit: float | None = None) -> np.ndarray:
+                limit: float | None = None, only: np.ndarray | None = None) -> np.ndarray:
     """x [T, H] fp32, ids/weights [T, k] -> routed-expert output [T, H] fp32 (numba, all cores, no GIL).
     act_int8: int8 activations (int8/int4 weights). scratch, a dict, receives the pairs' gu and act. limit: SwiGLU's
-    clamp (GLM-5.3-Flash's swiglu_limit)."""
+    clamp (GLM-5.3-Flash's swiglu_limit). only: the experts (ids) to compute; the others' pairs are left out."""
     if act_int8 and fmt == "bf16":
         raise ValueError("int8 activations need int8 or int4 weights")
     if threads:
         numba.set_num_threads(threads)
-    pair_token, pair_weight, experts, start = group_by_expert(ids, weights)
+    pair_token, pair_weight, experts, start = group_by_expert(ids, weights, only)
     pairs = len(pair_token)
     gu = np.empty((pairs, w13.shape[1]), np.float32)
     act = np.empty((pairs, w13.shape[1] // 2), np.float32)

@@ -193,6 +193,7 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{gpu_tokens: 0}", "gpu_tokens must be a positive number of tokens"),
     ("{gpu_ring: 1}", "gpu_ring must be a number of experts, at least 2, got 1"),
     ("{pin_experts: 1}", "pin_experts must be true or false, got 1"),
+    ("{split_tokens: yes please}", "split_tokens must be a positive number of tokens or null, got 'yes please'"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     refused_rule(tmp_path, "Experts", f"op: experts.numba, device: cpu, kwargs: {kwargs}", needle)
@@ -270,6 +271,38 @@ def test_experts_on_the_device_equal_the_reference(fmt, group):
         assert check_on_device(layer, 16, 4, g).unique().numel() > DEPTH
 
 
+def test_a_split_plan_gives_the_cpu_the_lightest_experts_while_it_stays_the_shorter_half():
+    """CPU 1000 pairs/s, GPU 100 experts/s: six active experts cost the GPU 60 ms; the lightest go to the CPU while
+    its time stays under what remains on the GPU; an expert already on its way to the GPU (committed) never does."""
+    speeds = experts_numba.SplitSpeeds()
+    speeds.cpu_pairs_s, speeds.gpu_experts_s = 1000.0, 100.0
+    counts = [0, 30, 5, 10, 20, 0, 8, 3]
+    # 7 (CPU 3 ms, GPU 50 ms left), 2 (8, 40), 6 (16, 30); then 3's 10 pairs (26 ms) would pass the GPU's 20
+    assert speeds.plan(counts, committed=set()) == [7, 2, 6]
+    assert speeds.plan(counts, committed={7}) == [2, 6, 3]
+    speeds.gpu_experts_s = 1e6  # a GPU with everything prefetched: nothing for the CPU
+    assert speeds.plan(counts, committed=set()) == []
+
+
+@pytest.mark.parametrize("fmt, group", [("int8", 32), ("int4", 64)])
+def test_a_split_chunk_equals_the_reference(fmt, group, monkeypatch):
+    """A long chunk split between the device and the CPU cores (the speeds set so that about half the experts go to
+    the CPU) equals the reference, as the same layer unsplit does; both halves ran, and each measured its speed."""
+    ((layer, w13, w2),) = random_layers(1, fmt, group, E=3 * DEPTH)
+    plans = []
+    plan = experts_numba.SplitSpeeds.plan
+    monkeypatch.setattr(experts_numba.SplitSpeeds, "plan", lambda self, *a: plans.append(plan(self, *a)) or plans[-1])
+    speeds = experts_numba.split_speeds(layer, torch.device(DEVICE))
+    speeds.cpu_pairs_s, speeds.gpu_experts_s = 100.0, 100.0 / 4  # a pair on the CPU costs a quarter of an expert
+    g = torch.Generator().manual_seed(12)
+    ids = check_on_device((layer, w13, w2), 16, 4, g)
+    assert 0 < len(plans[0]) < ids.unique().numel() - DEPTH
+    assert speeds.cpu_pairs_s != 100.0
+    layer.split_tokens = 16  # not below it
+    check_on_device((layer, w13, w2), 16, 4, g)
+    assert len(plans) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("depth", [4, 64])
 def test_prefetched_experts_equal_the_reference(depth):
@@ -323,6 +356,62 @@ def test_memory_mapped_experts_stream_from_their_locked_pages(tmp_path):
         layer = NumbaExperts(arrays, "int4", 32, threads=2, gpu_tokens=4, gpu_ring=4, pin=pin)
         check_on_device((layer, w13, w2), 16, 4, torch.Generator().manual_seed(11))
     assert all(page_locked(a) for a in arrays.values())
+
+
+def test_a_locked_map_is_unlocked_as_it_is_freed(tmp_path, monkeypatch):
+    """The lock lives as long as the array: freed, its pages are unregistered before they are unmapped and the
+    address forgotten, so a later map there is locked anew (a stale registration made CUDA refuse copies from a
+    second model's maps at the same address: "resource already mapped"). A fake runtime records the calls."""
+    import gc
+
+    from glm5_offload.ops import expert_ring
+    from safetensors.numpy import save_file
+
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, start, size, flags):
+            calls.append(("register", start.value, size.value))
+            return 0
+
+        def cudaHostUnregister(self, start):
+            calls.append(("unregister", start.value))
+            return 0
+
+        def cudaGetLastError(self):
+            return 0
+
+    monkeypatch.setattr(expert_ring, "_cuda_runtime", Runtime)
+    save_file({"w": np.arange(3 * 4096, dtype=np.int32)}, tmp_path / "a.safetensors")
+    array = memory_map(tmp_path / "a.safetensors")["w"]
+    address = array.ctypes.data
+    assert page_locked(array) and page_locked(array)  # locked once
+    assert [c[0] for c in calls] == ["register"] and calls[0][1] == address // 4096 * 4096
+    assert (calls[0][1] + calls[0][2]) % 4096 == 0 and calls[0][1] + calls[0][2] >= address + array.nbytes
+    del array
+    gc.collect()
+    assert calls[-1] == ("unregister", calls[0][1]) and address not in expert_ring._locked
+
+
+@pytest.mark.gpu
+def test_a_second_map_of_the_same_file_streams_after_the_first_is_freed(tmp_path):
+    """bench_e2e's case: a model dropped and another loaded in one process, its maps possibly at the first one's
+    addresses; streaming, and copies from them, work as before."""
+    import gc
+
+    from safetensors.numpy import save_file
+
+    ((experts, w13, w2),) = random_layers(1, "int4", 32, E=48)
+    save_file(experts._packed(), tmp_path / "layer.safetensors")
+    for seed in (13, 14):
+        arrays = memory_map(tmp_path / "layer.safetensors")
+        layer = NumbaExperts(arrays, "int4", 32, threads=2, gpu_tokens=4, gpu_ring=4)
+        check_on_device((layer, w13, w2), 16, 4, torch.Generator().manual_seed(seed))
+        assert all(page_locked(a) for a in arrays.values())
+        assert torch.equal(torch.from_numpy(np.array(arrays["w13"][:2])).cuda().cpu(),
+                           torch.from_numpy(np.array(arrays["w13"][:2])))
+        del arrays, layer
+        gc.collect()
 
 
 @pytest.mark.gpu

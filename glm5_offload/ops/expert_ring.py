@@ -1,14 +1,15 @@
 """Routed experts streamed from host memory to a GPU ahead of their use (the long prefill chunks of experts.numba).
 
-A staging thread queues each expert's packed arrays to one of `depth` device slots on a copy stream of its own,
-while the calling thread queues the matmuls: the compute stream waits for a slot's arrival, the copy stream for
+Each expert's packed arrays are queued to one of `depth` device slots on a copy stream of its own, while the
+calling thread queues the matmuls: the compute stream waits for a slot's arrival, the copy stream for
 the slot's release by the compute stream before it overwrites it. Up to `depth` experts are in flight, so the
 transfers run under the matmuls of the experts before them and back to back. One ring per GPU, expert shape and
 depth serves every layer: as a layer's last matmuls release their slots, the next layer's first experts
 (prefetch) already move in, under that layer's attention.
 
 The expert cache's memory maps are page-locked (registered with CUDA) the first time a ring streams them, so each
-transfer is one DMA straight from them at the bus's speed and no host core copies anything. Memory the driver
+transfer is one DMA straight from them at the bus's speed, queued by the calling thread itself, and no host core
+copies anything. Memory the driver
 refuses to lock, or all of it with `pin=False`, goes through PINNED pinned buffers instead, copied into by the
 staging thread (torch's threaded copy; 13-35 GB/s on the H200 machine's host against a 55 GB/s bus).
 """
@@ -17,6 +18,7 @@ import ctypes
 import logging
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +34,7 @@ _READ_ONLY = 8  # cudaHostRegisterReadOnly: the cache is mapped read-only
 
 _rings: dict[tuple, "ExpertRing"] = {}
 _locked: dict[int, bool] = {}  # a memory map's address -> whether CUDA page-locked it
-_locking = threading.Lock()
+_locking = threading.RLock()  # a collection inside page_locked may free a map (_forget)
 log = logging.getLogger("glm5_offload")
 
 
@@ -45,9 +47,9 @@ def _cuda_runtime() -> ctypes.CDLL | None:
 
 def page_locked(array: np.ndarray) -> bool:
     """Whether the pages of `array`, a memory map (np.memmap: a mapping of its own), are locked for DMA; the first
-    call asks CUDA to lock them (their whole pages; a page not yet read is read first). Anything else stays
-    pageable: an array in the heap may share its pages with another. A refusal is logged once per array and clears
-    the runtime's error, which would otherwise surface at torch's next kernel launch."""
+    call asks CUDA to lock them (their whole pages; a page not yet read is read first) until the array is freed.
+    Anything else stays pageable: an array in the heap may share its pages with another. A refusal is logged once
+    per array and clears the runtime's error, which would otherwise surface at torch's next kernel launch."""
     if not isinstance(array, np.memmap) or array.nbytes == 0:
         return False
     address = array.ctypes.data
@@ -65,7 +67,18 @@ def page_locked(array: np.ndarray) -> bool:
                             "buffers instead", f"{array.nbytes / 2**20:.0f} MiB", address,
                             "no runtime found" if runtime is None else err)
             _locked[address] = not err
+            # forgotten (and unlocked) with the array, before its pages are unmapped: a later map at this address, or
+            # a copy from it, must not find them still registered (CUDA refuses those: "resource already mapped")
+            weakref.finalize(array, _forget, runtime if not err else None, start, address)
         return _locked[address]
+
+
+def _forget(runtime: ctypes.CDLL | None, start: int, address: int):
+    with _locking:
+        if runtime is not None:
+            runtime.cudaHostUnregister(ctypes.c_void_p(start))
+            runtime.cudaGetLastError()  # at exit the runtime may be gone already: nothing to surface later
+        _locked.pop(address, None)
 
 
 def torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -93,6 +106,7 @@ class ExpertRing:
         self.copies = torch.cuda.Stream(device)
         self.pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(PINNED)]
         self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(depth)]
+        self.slot_views = [views(slot, self.layout) for slot in self.slots]  # made once: a view costs the host ~5 us
         self.pinned_read: list[torch.cuda.Event | None] = [None] * PINNED  # the copy that last read each buffer
         self.slot_free: list[torch.cuda.Event | None] = [None] * depth  # the compute stream done with each slot
         self.staged = 0
@@ -111,9 +125,9 @@ class ExpertRing:
         return _rings[key]
 
     def _copy(self, arrays: dict[str, np.ndarray], e: int, p: int, s: int) -> torch.cuda.Event:
-        """On the staging thread: expert e queued to slot s, from its page-locked arrays or through pinned buffer p;
-        the event of its arrival."""
-        direct = self.pin and all(page_locked(a) for a in arrays.values())
+        """Expert e queued to slot s, from its page-locked arrays (direct) or through pinned buffer p (on the staging
+        thread); the event of its arrival."""
+        direct = self._direct(arrays)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
             expert = {name: torch.from_numpy(a[e]) for name, a in arrays.items()}
@@ -126,7 +140,7 @@ class ExpertRing:
             if self.slot_free[s] is not None:
                 self.copies.wait_event(self.slot_free[s])
             if direct:
-                for name, buf in views(self.slots[s], self.layout).items():
+                for name, buf in self.slot_views[s].items():
                     buf.copy_(expert[name], non_blocking=True)
             else:
                 self.slots[s].copy_(self.pinned[p], non_blocking=True)
@@ -135,6 +149,10 @@ class ExpertRing:
         if not direct:
             self.pinned_read[p] = arrived
         return arrived
+
+    def _direct(self, arrays: dict[str, np.ndarray]) -> bool:
+        """Whether experts of `arrays` go to the device straight from their locked pages."""
+        return self.pin and all(page_locked(a) for a in arrays.values())
 
     def _fill(self, layer, arrays: dict[str, np.ndarray], todo: Iterator[int], skip=frozenset()) -> None:
         """Queue experts drawn from `todo` (but those in `skip`) while a slot is free: stage number n takes slot
@@ -145,13 +163,21 @@ class ExpertRing:
                 return
             n, s, p = self.staged, self.staged % self.depth, self.staged % PINNED
             self.staged += 1
-            arrival = self.stager.submit(self._copy, arrays, e, p, s)
+            if self._direct(arrays):  # only DMAs to queue: at once, on this thread
+                arrival = Future()
+                arrival.set_result(self._copy(arrays, e, p, s))
+            else:
+                arrival = self.stager.submit(self._copy, arrays, e, p, s)
             self.queue.append((n, layer, e, s, arrival))
 
     def prefetch(self, layer, arrays: dict[str, np.ndarray], experts: Iterable[int]) -> None:
         """Start moving `layer`'s first `experts` (as many as slots are free) before its stream() is called:
         their transfers then run under whatever the GPU does until then (the layer's attention)."""
         self._fill(layer, arrays, iter(experts))
+
+    def staged_for(self, layer) -> set[int]:
+        """The experts of `layer` staged (prefetched) and not yet handed out."""
+        return {e for _, l, e, _, _ in self.queue if l is layer}
 
     def stream(self, layer, arrays: dict[str, np.ndarray],
                experts: Iterable[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
@@ -162,7 +188,7 @@ class ExpertRing:
         compute = torch.cuda.current_stream(self.copies.device)
         while self.queue and self.queue[0][1] is not layer:  # prefetched for a layer that ran elsewhere: dropped
             self.queue.popleft()
-        prefetched, todo = {e for _, l, e, _, _ in self.queue if l is layer}, iter(experts)
+        prefetched, todo = self.staged_for(layer), iter(experts)
         while True:
             self._fill(layer, arrays, todo, prefetched)
             if not self.queue:
@@ -172,7 +198,7 @@ class ExpertRing:
                 continue
             compute.wait_event(arrival.result())
             try:
-                yield e, views(self.slots[s], self.layout)
+                yield e, self.slot_views[s]
             finally:  # also when the caller stops early: what it queued on the slot is not overwritten
                 self.slot_free[s] = torch.cuda.Event()
                 self.slot_free[s].record(compute)

@@ -11,10 +11,13 @@ dequantised to the compute dtype (kernels/experts_triton.py) and multiply their 
 maps are page-locked for that the first time they stream (`pin_experts`), so each expert is one DMA from them.
 """
 
+import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import accumulate, chain
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 from torch import nn
@@ -30,7 +33,11 @@ from .expert_ring import DEPTH, ExpertRing
 from .reference import ExpertsOperator
 
 STORE_VERSION = 2
+# GPU chunks below this many tokens split their experts with the CPU: on the H200 machine a GLM-5 layer split took
+# 0.52-0.78x the faster side's time at 64-512 tokens, 1.07-2.5x at 1024-8192 (bench_prefill_experts.py)
+SPLIT_TOKENS = 1024
 _pinned: dict[tuple, torch.Tensor] = {}
+_cpu_half = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu-half")  # a split chunk's CPU half (numba frees the GIL)
 
 
 def pinned(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -67,12 +74,76 @@ def convert_layer(slot_name: str, n_experts: int, checkpoint, fmt: str, group: i
     return packed
 
 
+class SplitSpeeds:
+    """How fast the two halves of a split chunk went, shared by the layers of one expert shape on one device: the
+    CPU's (token, expert) pairs per second and the GPU's streamed experts per second. The first chunk starts from a
+    guess (the H200 machine's 16-core host, int4 experts, 512 tokens); every chunk measures both, and the next one
+    is planned by them."""
+
+    def __init__(self):
+        self.cpu_pairs_s, self.gpu_experts_s = 20e3, 1.5e3
+        self.gpu: tuple | None = None  # the last chunk's GPU half: (its timer, its experts), read once it is done
+
+    def plan(self, counts: list[int], committed: set[int]) -> list[int]:
+        """The experts for the CPU: the lightest first (a streamed expert costs its bytes whatever its tokens, the
+        CPU's cost grows with them), while the CPU's share stays under what remains on the GPU; never those in
+        `committed` (already on their way there)."""
+        gpu_s = sum(1 for c in counts if c) / self.gpu_experts_s
+        cpu_s, chosen = 0.0, []
+        for c, e in sorted((c, e) for e, c in enumerate(counts) if c and e not in committed):
+            if cpu_s + c / self.cpu_pairs_s > gpu_s - 1 / self.gpu_experts_s:
+                break
+            cpu_s, gpu_s = cpu_s + c / self.cpu_pairs_s, gpu_s - 1 / self.gpu_experts_s
+            chosen.append(e)
+        return chosen
+
+    @staticmethod
+    def timer(device: torch.device):
+        """A start mark for the GPU half: an event on CUDA (read later, without a sync), else the clock."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def gpu_done(self, start, experts: int):
+        if not isinstance(start, torch.cuda.Event):
+            self._update_gpu(time.perf_counter() - start, experts)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.gpu = (start, end, experts)
+
+    def measured(self):
+        """Take in the last chunk's GPU half, done by now (called after a sync)."""
+        if self.gpu is not None and self.gpu[1].query():
+            start, end, experts = self.gpu
+            self._update_gpu(start.elapsed_time(end) / 1e3, experts)
+        self.gpu = None
+
+    def _update_gpu(self, seconds: float, experts: int):
+        if experts and seconds > 0:
+            self.gpu_experts_s = experts / seconds
+
+    def cpu_done(self, seconds: float, pairs: int):
+        if pairs and seconds > 0:
+            self.cpu_pairs_s = pairs / seconds
+
+
+_speeds: dict[tuple, SplitSpeeds] = {}
+
+
+def split_speeds(layer: "NumbaExperts", device: torch.device) -> SplitSpeeds:
+    key = (layer.fmt, layer.group, layer.act_int8, layer.w13.shape, device)
+    return _speeds.setdefault(key, SplitSpeeds())
+
+
 class NumbaExperts(nn.Module):
     """Drop-in for Experts: forward(x, ids, weights), and begin / host / finish for overlap with the GPU."""
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
                  act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH,
-                 limit: float | None = None, pin: bool = True):
+                 limit: float | None = None, pin: bool = True, split_tokens: int | None = SPLIT_TOKENS):
         super().__init__()
         self.limit = limit  # SwiGLU's clamp (GLM-5.3-Flash)
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
@@ -80,11 +151,12 @@ class NumbaExperts(nn.Module):
         self.gpu_tokens = gpu_tokens  # chunks of at least this many tokens on a GPU run there; None: never
         self.gpu_ring = gpu_ring  # experts the GPU holds at once for them (expert_ring.py)
         self.pin = pin  # whether the ring page-locks the arrays and transfers from them
+        self.split_tokens = split_tokens  # GPU chunks of fewer tokens: their lightest experts on the CPU cores too
         self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (chain_layers)
 
     def extra_repr(self) -> str:
         return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
-                f"activations={'int8' if self.act_int8 else 'fp32'}")
+                f"activations={'int8' if self.act_int8 else 'fp32'}, split_tokens={self.split_tokens}")
 
     def _compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return moe_cpu.moe_forward(self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x, ids, weights,
@@ -115,19 +187,28 @@ class NumbaExperts(nn.Module):
         arrays = self._packed()
         ExpertRing.on(device, arrays, self.gpu_ring, self.pin).prefetch(self, arrays, range(self.w13.shape[0]))
 
-    def _matrix(self, packed: dict[str, torch.Tensor], which: str, dtype: torch.dtype) -> torch.Tensor:
-        """An expert's w13 ([2I, H]) or w2 ([H, I]) in dtype, from its packed arrays on the device."""
+    def _matrix(self, packed: dict[str, torch.Tensor], which: str, out: torch.Tensor) -> torch.Tensor:
+        """An expert's w13 ([2I, H]) or w2 ([H, I]) in out's dtype, from its packed arrays on the device (into out,
+        or a view of them: bf16 in bf16)."""
         if self.fmt == "bf16":
-            return packed[which].view(torch.bfloat16).to(dtype)
-        return experts_triton.dequantize(packed[which], packed[which.replace("w", "s")], self.fmt, self.group,
-                                         dtype=dtype)
+            matrix = packed[which].view(torch.bfloat16)
+            return matrix if out.dtype == torch.bfloat16 else out.copy_(matrix)
+        return experts_triton.dequantize(packed[which], packed[which.replace("w", "s")], self.fmt, self.group, out)
 
     def on_device(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts computed on x's device in x's dtype (x [T, H], ids/weights [T, k])."""
+        """The routed experts computed on x's device in x's dtype (x [T, H], ids/weights [T, k]); below `split_tokens`
+        tokens, the lightest experts (fewest tokens) by the CPU cores at the same time, as many as their measured
+        speeds balance."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         inter, k = self.w13.shape[1] // 2, ids.shape[1]
         n_experts, counts, starts = self.w13.shape[0], [], [0]
         ahead = min(self.gpu_ring - 1, n_experts)
+        speeds = split_speeds(self, x.device) if self.split_tokens and x.shape[0] < self.split_tokens else None
+        committed = set(range(ahead))  # drawn before the routing is known: on the device whatever the split
+        if x.is_cuda:
+            committed |= ExpertRing.on(x.device, self._packed(), self.gpu_ring, self.pin).staged_for(self)
+        on_cpu: set[int] = set()
+        cpu_half: list[Future] = []
 
         def routed(e: int) -> int:  # the one host sync comes with the first call: after the first copies are queued
             if not counts:  # bincount and tolist wait for the GPU inside a device-to-host copy, which stalls the
@@ -138,7 +219,14 @@ class NumbaExperts(nn.Module):
                 sync(per_expert.device)
                 counts.extend(per_expert.tolist())
                 starts.extend(accumulate(counts))
-            return counts[e]
+                if speeds:
+                    speeds.measured()
+                    on_cpu.update(speeds.plan(counts, committed))
+                if on_cpu:  # the inputs to the host (a second, short wait: the copies come next in the queue)
+                    inputs = self._to_host(x, ids, weights)
+                    sync(x.device)
+                    cpu_half.append(_cpu_half.submit(self._cpu_half, *inputs, sorted(on_cpu), x.device, speeds))
+            return counts[e] and e not in on_cpu
 
         # ascending: the first few (or those prefetched) before the host sync, so their copies run under the GPU's queue
         wanted = chain(range(ahead), (e for e in range(ahead, n_experts) if routed(e)))
@@ -146,17 +234,49 @@ class NumbaExperts(nn.Module):
         with span("experts", x.device):
             order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
             rows, pair_weights = order // k, weights.flatten()[order, None].float()  # [P], [P, 1]
+            timer = speeds.timer(x.device) if speeds else None
+            # one expert dequantised at a time (the stream orders each one's use before the next overwrites them)
+            w13 = torch.empty(2 * inter, x.shape[1], dtype=x.dtype, device=x.device)
+            w2 = torch.empty(x.shape[1], inter, dtype=x.dtype, device=x.device)
             for e, packed in self._on_device(wanted, x.device):
                 if not routed(e):  # one of the first few, not routed to
                     continue
                 a, b = starts[e], starts[e + 1]
-                gu = x[rows[a:b]] @ self._matrix(packed, "w13", x.dtype).T
+                gu = x[rows[a:b]] @ self._matrix(packed, "w13", w13).T
                 act = swiglu(gu[:, :inter], gu[:, inter:], self.limit)
-                y = act @ self._matrix(packed, "w2", x.dtype).T
+                y = act @ self._matrix(packed, "w2", w2).T
                 out.index_add_(0, rows[a:b], pair_weights[a:b] * y)
+            if speeds:
+                speeds.gpu_done(timer, sum(1 for e, c in enumerate(counts) if c and e not in on_cpu))
             if self.next_layer is not None and x.is_cuda:  # its transfers start as the matmuls above release slots
                 self.next_layer.prefetch(x.device)
+            if cpu_half:
+                out += cpu_half[0].result().to(x.device, non_blocking=True)
         return out.to(x.dtype)
+
+    def _to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+        """x (fp32), ids and weights queued to host buffers (pinned ones from a GPU), for the CPU's half of a chunk."""
+        if not x.is_cuda:
+            return [x.float(), ids, weights.float()]
+        host = [pinned(f"split {n}", t.shape, dt) for n, t, dt in
+                (("x", x, torch.float32), ("ids", ids, torch.int64), ("w", weights, torch.float32))]
+        for buf, t in zip(host, (x, ids, weights)):
+            buf.copy_(t, non_blocking=True)
+        return host
+
+    def _cpu_half(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int],
+                  device: torch.device, speeds: "SplitSpeeds") -> torch.Tensor:
+        """On the CPU-half thread: the routed output of `experts` alone ([T, H] fp32, pinned for a GPU), timed.
+        One core fewer than the layer's threads: the caller's thread queues the GPU's half meanwhile."""
+        t0 = time.perf_counter()
+        threads = max(1, (self.threads or numba.config.NUMBA_NUM_THREADS) - 1)
+        result = torch.from_numpy(moe_cpu.moe_forward(
+            self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x.numpy(), ids.numpy(), weights.numpy(),
+            threads=threads, act_int8=self.act_int8, limit=self.limit, only=np.array(experts, np.int64)))
+        if device.type == "cuda":
+            result = pinned("split out", tuple(result.shape), torch.float32).copy_(result)
+        speeds.cpu_done(time.perf_counter() - t0, int(np.isin(ids.numpy(), experts).sum()))
+        return result
 
     def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """Queue the hidden state's copy to the host (CUDA), or compute at once (CPU, or a long chunk on the GPU)."""
@@ -215,11 +335,12 @@ class NumbaExpertsOperator(ExpertsOperator):
     """kwargs: format (bf16 | int8 | int4), group_size (32 | 64 | 128; by default the largest that fits), threads,
     cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring
     (experts the GPU holds), pin_experts (page-lock the stored experts as they first stream to the GPU: true, the
-    default, or false: staged through pinned buffers by a host thread)."""
+    default, or false: staged through pinned buffers by a host thread), split_tokens (GPU chunks of fewer tokens
+    give their lightest experts to the CPU cores at the same time; default 1024, null: never)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
-             "gpu_tokens": None, "gpu_ring": DEPTH, "pin_experts": True, **kwargs}
+             "gpu_tokens": None, "gpu_ring": DEPTH, "pin_experts": True, "split_tokens": SPLIT_TOKENS, **kwargs}
         if k["format"] not in BITS:
             raise Glm5Error(f"format must be one of {', '.join(BITS)}, got {k['format']!r}")
         if k["group_size"] is not None and k["group_size"] not in GROUP_SIZES:
@@ -238,6 +359,8 @@ class NumbaExpertsOperator(ExpertsOperator):
             raise Glm5Error(f"gpu_ring must be a number of experts, at least 2, got {k['gpu_ring']!r}")
         if not isinstance(k["pin_experts"], bool):
             raise Glm5Error(f"pin_experts must be true or false, got {k['pin_experts']!r}")
+        if k["split_tokens"] is not None and not is_positive_int(k["split_tokens"]):
+            raise Glm5Error(f"split_tokens must be a positive number of tokens or null, got {k['split_tokens']!r}")
         return k
 
     def check(self, slot: Slot):
@@ -279,7 +402,7 @@ class NumbaExpertsOperator(ExpertsOperator):
         if arrays is None:
             arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group))
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
-                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"])
+                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"])
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
@@ -287,5 +410,6 @@ class NumbaExpertsOperator(ExpertsOperator):
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
-    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring", "pin_experts"),
+    kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring", "pin_experts",
+            "split_tokens"),
     devices=("cpu",))
