@@ -82,7 +82,7 @@ class SplitSpeeds:
 
     def __init__(self):
         self.cpu_pairs_s, self.gpu_experts_s = 20e3, 1.5e3
-        self.gpu: tuple | None = None  # the last chunk's GPU half: (its timer, its experts), read once it is done
+        self.gpu: tuple | None = None  # the last chunk's GPU half: (start event, end event, experts), read once done
 
     def plan(self, counts: list[int], committed: set[int]) -> list[int]:
         """The experts for the CPU: the lightest first (a streamed expert costs its bytes whatever its tokens, the
