@@ -223,9 +223,10 @@ class NumbaExperts(nn.Module):
                     speeds.measured()
                     on_cpu.update(speeds.plan(counts, committed))
                 if on_cpu:  # the inputs to the host (a second, short wait: the copies come next in the queue)
-                    inputs = self._to_host(x, ids, weights)
+                    inputs = self._to_host(x, ids, weights, "split ")
                     sync(x.device)
-                    cpu_half.append(_cpu_half.submit(self._cpu_half, *inputs, sorted(on_cpu), x.device, speeds))
+                    pairs = sum(counts[e] for e in on_cpu)
+                    cpu_half.append(_cpu_half.submit(self._cpu_half, *inputs, sorted(on_cpu), pairs, x.device, speeds))
             return counts[e] and e not in on_cpu
 
         # ascending: the first few (or those prefetched) before the host sync, so their copies run under the GPU's queue
@@ -254,19 +255,22 @@ class NumbaExperts(nn.Module):
                 out += cpu_half[0].result().to(x.device, non_blocking=True)
         return out.to(x.dtype)
 
-    def _to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
-        """x (fp32), ids and weights queued to host buffers (pinned ones from a GPU), for the CPU's half of a chunk."""
+    @staticmethod
+    def _to_host(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, prefix: str = "") -> list[torch.Tensor]:
+        """x (fp32), ids and weights queued to the pinned host buffers named `prefix` + x, ids, w (as they are, from
+        the CPU)."""
         if not x.is_cuda:
             return [x.float(), ids, weights.float()]
-        host = [pinned(f"split {n}", t.shape, dt) for n, t, dt in
+        host = [pinned(prefix + n, t.shape, dt) for n, t, dt in
                 (("x", x, torch.float32), ("ids", ids, torch.int64), ("w", weights, torch.float32))]
         for buf, t in zip(host, (x, ids, weights)):
             buf.copy_(t, non_blocking=True)
         return host
 
-    def _cpu_half(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int],
+    def _cpu_half(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int], pairs: int,
                   device: torch.device, speeds: "SplitSpeeds") -> torch.Tensor:
-        """On the CPU-half thread: the routed output of `experts` alone ([T, H] fp32, pinned for a GPU), timed.
+        """On the CPU-half thread: the routed output of `experts` (their `pairs` (token, expert) pairs) alone
+        ([T, H] fp32, pinned for a GPU), timed.
         One core fewer than the layer's threads: the caller's thread queues the GPU's half meanwhile."""
         t0 = time.perf_counter()
         threads = max(1, (self.threads or numba.config.NUMBA_NUM_THREADS) - 1)
@@ -275,7 +279,7 @@ class NumbaExperts(nn.Module):
             threads=threads, act_int8=self.act_int8, limit=self.limit, only=np.array(experts, np.int64)))
         if device.type == "cuda":
             result = pinned("split out", tuple(result.shape), torch.float32).copy_(result)
-        speeds.cpu_done(time.perf_counter() - t0, int(np.isin(ids.numpy(), experts).sum()))
+        speeds.cpu_done(time.perf_counter() - t0, pairs)
         return result
 
     def begin(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
@@ -286,10 +290,7 @@ class NumbaExperts(nn.Module):
             with span("experts"):
                 out = self._compute(x.float().numpy(), ids.numpy(), weights.float().numpy())
             return torch.from_numpy(out).to(x.dtype)
-        host = [pinned(n, t.shape, dt) for n, t, dt in
-                (("x", x, torch.float32), ("ids", ids, torch.int64), ("w", weights, torch.float32))]
-        for buf, t in zip(host, (x, ids, weights)):
-            buf.copy_(t, non_blocking=True)
+        host = self._to_host(x, ids, weights)
         copied = None
         if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's replayer waits for its piece instead
             copied = torch.cuda.Event()
