@@ -31,6 +31,14 @@ def e4m3_to_f16(b):
 
 
 @triton.jit
+def round_to_bf16(x):
+    """fp32 values -> the nearest bf16 values (ties to even), still fp32: what a cast to bf16 gives on a GPU, by bits
+    (the interpreter's casts to bf16 truncate)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def f32_to_e4m3(x):
     """fp32 values (|x| <= 448, finite) -> e4m3 bytes (uint8), rounded to nearest even as torch rounds."""
     bits = x.to(tl.int32, bitcast=True)

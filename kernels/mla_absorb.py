@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_bits import e4m3_to_f16
+from .fp8_bits import e4m3_to_f16, round_to_bf16
 from .linear_triton import DECODE_ROWS  # up to this many query rows (decode): these kernels, as the projections' GEMV
 
 BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (32 x 128 products at most)
@@ -33,9 +33,8 @@ def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col_block, L, FP8: tl.constexpr, R
     if FP8:
         scale = tl.load(ws_ptr + (rows // 128) * tl.cdiv(L, 128) + col_block, mask=row_ok, other=0.0)
         w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)[:, None]
-        if ROUND_BF16:  # as fp8_dequantize writes it in a bf16 model: to nearest even, by bits (the interpreter's
-            bits = w.to(tl.int32, bitcast=True)  # bf16 casts do not round so)
-            w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        if ROUND_BF16:  # as fp8_dequantize writes it in a bf16 model
+            w = round_to_bf16(w)
     return w.to(tl.float32)
 
 

@@ -77,7 +77,7 @@ def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
 
 def test_gpu_ring_sets_the_experts_held_on_the_gpu(tmp_path):
     """gpu_ring: a whole layer (256 experts) on the GPU takes 256 packed experts' room instead of DEPTH's."""
-    text = resolve_rules_path("glm5").read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256")
+    text = resolve_rules_path("glm5").read_text().replace("gpu_tokens: 64", "gpu_tokens: 64, gpu_ring: 256")
     (tmp_path / "ring.yaml").write_text(text)
     config = load_config("glm-5.2")
     ring = make_plan(config, place(meta_model("glm-5.2"), load_rules(tmp_path / "ring.yaml")), 1_000_000,

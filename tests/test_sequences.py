@@ -56,7 +56,7 @@ def test_flash_rules_over_three_turns_equal_eager(flash_checkpoint):
 def rule_files(tmp_path) -> list[Path]:
     shipped = [resolve_rules_path(name) for name in ("glm5", "glm5-reference", "glm5-gpu", "glm5-cpu")]
     ring = tmp_path / "glm5-ring256.yaml"  # the README's advice for 80 GB+ GPUs: a whole layer in the ring
-    ring.write_text(shipped[0].read_text().replace("gpu_tokens: 1024", "gpu_tokens: 1024, gpu_ring: 256"))
+    ring.write_text(shipped[0].read_text().replace("gpu_tokens: 64", "gpu_tokens: 64, gpu_ring: 256"))
     slabs = tmp_path / "glm5-slabs.yaml"  # a staging buffer smaller than the prompt: prefill reads the rows in slabs
     slabs.write_text(shipped[0].read_text().replace("window: 512}", "window: 512, prefill_rows: 256}"))
     return shipped + [ring, slabs]
@@ -68,12 +68,13 @@ def model_layer(model, experts) -> str:
 
 
 def turns(engine: Engine) -> list[list[int]]:
-    """Three turns: 1100 prompt tokens (above gpu_tokens 1024), a rewind to 500 of them and 30 new, then that
-    turn's prompt and reply and 20 more."""
+    """Three turns: 1100 prompt tokens (a chunk above split_tokens 1024: every expert on the GPU), a rewind to 500
+    of them and 100 new (between gpu_tokens 64 and split_tokens: split between the GPU and the CPU cores), then that
+    turn's prompt and reply and 20 more (on the CPU)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(12, 1024, (1100,), generator=g).tolist()
     outputs = [engine.generate(prompt, NEW_TOKENS).output_ids]
-    second = prompt[:500] + torch.randint(12, 1024, (30,), generator=g).tolist()
+    second = prompt[:500] + torch.randint(12, 1024, (100,), generator=g).tolist()
     outputs.append(engine.generate(second, NEW_TOKENS).output_ids)
     third = second + outputs[-1] + torch.randint(12, 1024, (20,), generator=g).tolist()
     outputs.append(engine.generate(third, NEW_TOKENS).output_ids)

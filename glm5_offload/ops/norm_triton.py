@@ -1,0 +1,17 @@
+"""`norm.triton`: RMSNorm (model/blocks.py's: same weight) in one Triton kernel (kernels/rmsnorm_triton.py) instead
+of torch's eight. On a CPU outside Triton's interpreter it is the reference."""
+
+from ..kernels import INTERPRET, rmsnorm_triton
+from ..model import RMSNorm
+from .base import Operator
+
+
+class TritonRMSNorm(RMSNorm):
+    def forward(self, x):
+        if not (self.weight.is_cuda or INTERPRET):
+            return super().forward(x)
+        return rmsnorm_triton.rmsnorm(x, self.weight, self.eps)
+
+
+OPERATORS = (Operator("norm.triton", RMSNorm, "RMSNorm in one Triton kernel, a row a program",
+                      module_class=TritonRMSNorm),)
