@@ -109,7 +109,8 @@ def test_linear_is_a_slot_a_rule_can_place(tmp_path):
     kv_b, attention = p.slots["model.layers.3.self_attn.kv_b_proj"], p.slots["model.layers.3.self_attn"]
     assert (kv_b.op.name, kv_b.device, kv_b.rule) == ("linear.reference", "cpu", 2)
     assert kv_b.parent is attention and attention.children["kv_b_proj"] is kv_b
-    assert sorted(attention.own_tensors()) == ["kv_a_layernorm.weight", "q_a_layernorm.weight"]
+    assert attention.own_tensors() == {}  # its norms are slots too (norm.reference by default)
+    assert attention.children["q_a_layernorm"].op.name == "norm.reference"
     assert p.slots["model.layers.3.self_attn.q_a_proj"].device == "cuda"  # its siblings stay with the attention
     assert p.slots["model.layers.3.mlp.shared_experts.down_proj"].op.name == "linear.reference"
     assert "model.layers.3.mlp.experts.0.down_proj" not in p.slots  # the experts operator owns its subtree

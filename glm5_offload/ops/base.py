@@ -3,7 +3,8 @@ that part needs.
 
 A slot is one placed module of the tree: the module its operator replaces (of class `replaces`), the device it runs
 on, the rule's kwargs as the operator parsed them, and the rule that put it there. A slot owns its whole subtree,
-except the child slots its operator delegates to their own rules (attention delegates its indexer and linears).
+except the child slots its operator delegates to their own rules (attention delegates its indexer, linears and
+norms).
 
 An operator
 - parses and checks its own kwargs (parse_kwargs: defaults filled in; a Glm5Error naming the kwarg at fault),

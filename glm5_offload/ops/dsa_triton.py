@@ -13,7 +13,7 @@ import torch
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton, mla_absorb, topk_triton
-from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, indexer_scores
+from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, RMSNorm, indexer_scores
 from ..model.pooled_indexer import last_complete_group
 from .linear_triton import QuantLinear
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
@@ -121,7 +121,7 @@ class TritonIndexerOperator(IndexerOperator):
 
 OPERATORS = (
     AttentionOperator("attention.dsa_triton", Attention, "MLA over the selected rows in a Triton kernel",
-                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear), devices=DEVICES,
+                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear, RMSNorm), devices=DEVICES,
                       module_class=TritonAttention),
     TritonIndexerOperator("indexer.dsa_triton", Indexer, "lightning indexer scores and top-k in Triton kernels",
                           kwargs=("fp8_queries", "sampled_topk"), delegates=(Linear,), devices=DEVICES,

@@ -173,7 +173,7 @@ OPERATORS = (
     Operator("linear.reference", Linear, "x W^T with W in the compute dtype (attention, indexer and MLP projections)"),
     AttentionOperator("attention.reference", Attention,
                       "MLA in absorbed latent form over the DSA-selected rows (plain torch)",
-                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear)),
+                      kwargs=LAYOUT_KWARGS, delegates=(Indexer, PooledIndexer, Linear, RMSNorm)),
     IndexerOperator("indexer.reference", Indexer, "lightning indexer: scores, causal mask, top-k (plain torch)",
                     delegates=(Linear,)),
     IndexerOperator("pooled_indexer.reference", PooledIndexer,
