@@ -49,8 +49,8 @@ def test_a_strided_and_a_batched_input():
 
 
 def test_a_nan_row_stays_its_own_and_huge_values_stay_finite():
-    """A NaN poisons its row only, as in the reference; values near fp32's largest normalise as the reference
-    does (their squares overflow there too: the same zeros)."""
+    """A NaN poisons its row only, as in the reference; a row of values near 1e18 (its squares' sum near fp32's
+    largest) normalises as the reference does."""
     norm, g = make_norm(256, torch.float32, seed=3)
     x = torch.randn(4, 256, generator=g)
     x[1, 17] = float("nan")
