@@ -1,8 +1,11 @@
-"""One MoE layer of GLM-5's real dims on the CPU: numba kernels per format against the read bandwidth
+"""One MoE layer of a real model's dims (GLM-5's by default) on the CPU: numba kernels per format against the read bandwidth
 measured in the same run and against a torch CPU baseline on the same weights.
 
-    PYTHONPATH=. python3 bench/bench_experts.py [--experts 256] [--threads N] [--formats bf16,int8,int4]
-        [--prefetch 0,1024,4096] [--tiles 64,512,2048]
+    PYTHONPATH=. python3 bench/bench_experts.py [--preset glm-5] [--experts 256] [--threads N]
+        [--formats bf16,int8,int4] [--prefetch 0,1024,4096] [--tiles 64,512,2048]
+
+--preset takes the layer's dims (hidden, expert intermediate, routed experts, experts per token) from a shipped
+preset's config (glm-5: 6144, 2048, 256, 8; glm-5.3-flash: 4096, 2048, 288, 8; deepseek-v3.2: 7168, 2048, 256, 8).
 
 Decode: one token, 8 of the layer's experts (random routing, random weights), weight bytes read per
 second = the 8 experts' bytes (values and scales) / time. `+a8` formats quantise the activations to int8
@@ -31,11 +34,20 @@ import numpy as np
 from numba import njit
 import torch
 
+from glm5_offload.config import load_config
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 
-HIDDEN, INTER, TOP_K = 6144, 2048, 8
+HIDDEN, INTER, TOP_K = 6144, 2048, 8  # GLM-5's; use_preset sets another model's
+
+
+def use_preset(name: str) -> int:
+    """Set the layer's dims to a preset's (or a config file's); its routed experts' count."""
+    global HIDDEN, INTER, TOP_K
+    config = load_config(name)
+    HIDDEN, INTER, TOP_K = config.hidden_size, config.moe_intermediate_size, config.num_experts_per_tok
+    return config.n_routed_experts
 
 
 def _timed(fn) -> float:
@@ -139,18 +151,18 @@ def _percentile(values, q):
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
-def prefetch_sweep(distances, experts, group, threads, rounds=2) -> list[dict]:
+def prefetch_sweep(distances, experts, group, threads, preset, rounds=2) -> list[dict]:
     """int4 + int8-activation decode at each prefetch distance, every one in its own process and numba cache
     (the distance is compiled in), the distances taken in turn `rounds` times."""
     code = ("import json, sys; sys.path.insert(0, 'bench'); import numpy as np, bench_experts as b; "
-            "from glm5_offload.kernels import moe_cpu; moe_cpu.PREFETCH_AHEAD = {d}; "
+            "from glm5_offload.kernels import moe_cpu; moe_cpu.PREFETCH_AHEAD = {d}; b.use_preset({p!r}); "
             "layer = b.random_layer('int4', {e}, {g}); t, n = b.decode_times('int4', layer, {e}, {g}, {t}, "
             "np.random.default_rng(0), True); print(json.dumps([b._percentile(t, 0.5), n]))")
     results = {d: [] for d in distances}
     for _ in range(rounds):
         for d in distances:
             with tempfile.TemporaryDirectory() as cache:
-                proc = subprocess.run([sys.executable, "-c", code.format(d=d, e=experts, g=group, t=threads)],
+                proc = subprocess.run([sys.executable, "-c", code.format(d=d, e=experts, g=group, t=threads, p=preset)],
                                       env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True,
                                       check=True)
             seconds, nbytes = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -180,17 +192,17 @@ def tile_times(layer, experts, group, threads, chunks) -> list[float]:
     return [prefill_seconds(run, experts, tokens, rng) for tokens in chunks]
 
 
-def tiles_sweep(chunks, experts, group, threads) -> list[dict]:
+def tiles_sweep(chunks, experts, group, threads, preset) -> list[dict]:
     """int4 + int8-activation prefill of each chunk size with tiles and without (moe_cpu.TILES off: row dots), each
     way in its own process and numba cache (the switch is compiled in)."""
     code = ("import json, sys; sys.path.insert(0, 'bench'); import numpy as np, bench_experts as b; "
-            "from glm5_offload.kernels import moe_cpu; moe_cpu.TILES = moe_cpu.TILES and {on}; "
+            "from glm5_offload.kernels import moe_cpu; moe_cpu.TILES = moe_cpu.TILES and {on}; b.use_preset({p!r}); "
             "layer = b.random_layer('int4', {e}, {g}); print(json.dumps([moe_cpu.TILES, "
             "b.tile_times(layer, {e}, {g}, {t}, {chunks})]))")
     rows = []
     for on in (True, False):
         with tempfile.TemporaryDirectory() as cache:
-            proc = subprocess.run([sys.executable, "-c", code.format(on=on, e=experts, g=group, t=threads,
+            proc = subprocess.run([sys.executable, "-c", code.format(on=on, e=experts, g=group, t=threads, p=preset,
                                                                      chunks=list(chunks))],
                                   env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True,
                                   check=True)
@@ -239,7 +251,8 @@ def distances(text: str) -> list[int]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--preset", default="glm-5", help="the layer's dims: a shipped preset or a config.json")
+    parser.add_argument("--experts", type=int, help="routed experts in the layer (default: the preset's)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--formats", default="bf16,int8,int4,int8+a8,int4+a8",
@@ -250,24 +263,27 @@ def main(argv=None):
                         "token counts, with tiles and with row dots, each compiled fresh")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
+    experts = use_preset(args.preset)
+    args.experts = args.experts or experts
     numba.set_num_threads(args.threads)
     rng = np.random.default_rng(1)
     read = read_bandwidth_gb_s()
-    results = {"cores": os.cpu_count(), "threads": args.threads, "experts": args.experts,
+    results = {"preset": args.preset, "hidden": HIDDEN, "inter": INTER, "top_k": TOP_K, "cores": os.cpu_count(),
+               "threads": args.threads, "experts": args.experts,
                "read_bw_gb_s": read, "formats": []}
     print(f"STREAM-style read bandwidth: {read:.1f} GB/s ({args.threads} threads)", flush=True)
     results["row_dot_one_core"] = row = row_dot_gb_s(args.group, rng)
     print(f"one core's int4 x int8 row dots from L2: {row['one_vector_gb_s']:.1f} GB/s of weights for one token, "
           f"{row['four_vectors_gb_s']:.1f} GB/s-equivalent for four", flush=True)
     if args.prefetch:
-        results["prefetch"] = prefetch_sweep(args.prefetch, args.experts, args.group, args.threads)
+        results["prefetch"] = prefetch_sweep(args.prefetch, args.experts, args.group, args.threads, args.preset)
         print("\n| prefetch bytes | decode ms, each round | GB/s | of read BW |\n| --- | --- | --- | --- |")
         for p in results["prefetch"]:
             gb_s = sorted(r["gb_s"] for r in p["runs"])
             times = ", ".join(f"{r['decode_ms']:.2f}" for r in p["runs"])
             print(f"| {p['prefetch_bytes']} | {times} | {gb_s[0]:.1f}-{gb_s[-1]:.1f} | {gb_s[-1] / read:.0%} |")
     if args.tiles:
-        results["tiles"] = tiles_sweep(args.tiles, args.experts, args.group, args.threads)
+        results["tiles"] = tiles_sweep(args.tiles, args.experts, args.group, args.threads, args.preset)
         print("\n| chunk tokens | tiles ms (GFLOP/s) | row dots ms (GFLOP/s) | tiles / row dots |\n| --- | --- | --- | --- |")
         by = {(r["tiles"], r["tokens"]): r for r in results["tiles"]}
         for n in args.tiles:

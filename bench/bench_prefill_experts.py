@@ -1,5 +1,5 @@
-"""Where a prefill chunk's routed experts should run: one MoE layer of GLM-5's real dims (256 experts of
-2048, 8 per token, random weights) for chunks of growing size, on the CPU cores (numba) and streamed to
+"""Where a prefill chunk's routed experts should run: one MoE layer of a real model's dims (--preset; GLM-5's by
+default: 256 experts of 2048, 8 per token; random weights) for chunks of growing size, on the CPU cores (numba) and streamed to
 the GPU (each active expert's packed weights, dequantised there, bf16 matmuls). The layer is written to a
 safetensors file under --folder and memory-mapped, as the engine holds its expert cache; the GPU path is timed
 both ways an expert reaches the GPU: one DMA from the page-locked map (`pin_experts: true`, the default) and
@@ -14,8 +14,8 @@ a stand-in for its attention (bf16 matmuls queued on the GPU for --attention-ms)
 prefetch and for each ring depth of --rings. A layer's exposed expert time is its time less the stand-in's;
 against the H2D ceiling (the layer's bytes at the pinned copy speed) and the layer alone (no stand-in).
 
-    PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py [--format int4] [--chunks 64,256,1024,4096]
-        [--folder /tmp]
+    PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py [--preset glm-5] [--format int4]
+        [--chunks 64,256,1024,4096] [--folder /tmp]
     PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py --sequence [--tokens 65536] [--rings 8,256]
         [--attention-ms 0,100,300]
 """
@@ -39,7 +39,7 @@ from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 
 import ceilings
 
-HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8
+HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8  # GLM-5's; --preset sets another model's (main)
 
 
 def pinned_h2d_gb_s() -> float:
@@ -52,14 +52,17 @@ def pinned_h2d_gb_s() -> float:
 def mapped_layer(args) -> dict[str, np.ndarray]:
     """A random layer in the CPU format, written to a safetensors file and memory-mapped (as experts_numba's store)."""
     v13, s13, v2, s2 = bench_experts.random_layer(args.format, EXPERTS, args.group)
-    path = os.path.join(args.folder, f"bench-prefill-experts-{args.format}-g{args.group}.safetensors")
+    path = os.path.join(args.folder, f"bench-prefill-experts-{Path(args.preset).name}-{args.format}-g{args.group}"
+                                     ".safetensors")
     save_file({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, path)
     del v13, s13, v2, s2
     return memory_map(Path(path))
 
 
 def main(argv=None):
+    global HIDDEN, INTER, EXPERTS, TOP_K
     parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="glm-5", help="the layer's dims: a shipped preset or a config.json")
     parser.add_argument("--format", default="int4", choices=["bf16", "int8", "int4"])
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--activations", default="int8", choices=["fp32", "int8"], help="the CPU kernels' inputs")
@@ -75,6 +78,8 @@ def main(argv=None):
     parser.add_argument("--attention-ms", default="0,100,300")
     parser.add_argument("--folder", default="/tmp", help="where the layer's file is written (and left)")
     args = parser.parse_args(argv)
+    EXPERTS = bench_experts.use_preset(args.preset)
+    HIDDEN, INTER, TOP_K = bench_experts.HIDDEN, bench_experts.INTER, bench_experts.TOP_K
     arrays = mapped_layer(args)
     if args.sequence:
         return sequence(arrays, args)
@@ -135,7 +140,8 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
     crossover = next((r["tokens"] for r in rows if "gpu_ms" in r and r["gpu_ms"] < r["cpu_ms"]), None)
-    print(f"\nlayer: {args.format}/g{args.group}, {layer_bytes / 2**30:.2f} GiB; pinned H2D copy "
+    print(f"\nlayer: {args.preset} ({EXPERTS} experts of {HIDDEN} x {INTER}, {TOP_K} a token), "
+          f"{args.format}/g{args.group}, {layer_bytes / 2**30:.2f} GiB; pinned H2D copy "
           f"{h2d or 0:.1f} GB/s; GPU path faster from {crossover} tokens" if cuda else "\n(no GPU: CPU figures only)")
     print("| chunk tokens | active experts | CPU ms | GPU-streamed ms, page-locked | streamed GB/s (of H2D) | "
           "staged ms (GB/s) | split ms (x the faster alone) |")
