@@ -70,6 +70,7 @@ class Indexer(nn.Module):
         return max(1, SCORE_BUDGET // (self.n_heads * n_keys))
 
     def _rope(self, t, cos, sin):
+        """t [S, (H,) head_dim] with its first rope_dim values rotated (plain torch here)."""
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
 
@@ -185,6 +186,10 @@ class Attention(nn.Module):
         self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
 
+    def rope(self, t, cos, sin):
+        """The query's or key's rope part t [S, (H,) rope_dim] rotated (plain torch here)."""
+        return apply_rope(t, cos, sin, self.interleaved)
+
     def attend(self, q_lat, q_pe, latent, indices, span=None, into=None):
         """Sparse MLA over the selected latent rows -> (o [S, H, kv_lora_rank], lse [S, H]) fp32 (plain torch
         here). span [S, 2] int32, if given: the run of each row of indices that holds its valid ones (a kernel may
@@ -209,8 +214,7 @@ class Attention(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.rope_dim:  # GLM-5.3-Flash's has none
-            q_pe = apply_rope(q_pe, cos, sin, self.interleaved)
-            k_pe = apply_rope(k_pe, cos, sin, self.interleaved)
+            q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe, cos, sin)
         cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:

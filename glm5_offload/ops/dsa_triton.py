@@ -5,14 +5,15 @@ Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py
 indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
 rows over 64K keys by a sample's threshold (topk_triton.topk_sampled; torch.topk with sampled_topk false), shorter
 ones and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
-by one kernel straight into the cache rows.
+by one kernel straight into the cache rows; the other ropes (MLA's query and key parts, the indexer's queries) take
+one kernel each (kernels/rope_triton.py).
 """
 
 import torch
 
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
-from ..kernels import INTERPRET, dsa_triton, mla_absorb, topk_triton
+from ..kernels import INTERPRET, dsa_triton, mla_absorb, rope_triton, topk_triton
 from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, RMSNorm, indexer_scores
 from ..model.pooled_indexer import last_complete_group
 from .linear_triton import QuantLinear
@@ -32,6 +33,9 @@ class TritonIndexer(Indexer):
             return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end],
                                              q_fp8=None if self.fp8_queries else False)
         return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
+
+    def _rope(self, t, cos, sin):
+        return rope_triton.rope(t, cos, sin, self.rope_dim, self.interleaved)
 
     def write_keys(self, k, cos, sin, keys, positions):
         """FP8 rows: rope and quantisation in one kernel, straight into the cache rows at positions."""
@@ -65,6 +69,9 @@ class TritonPooledIndexer(PooledIndexer):
 
 
 class TritonAttention(Attention):
+    def rope(self, t, cos, sin):
+        return rope_triton.rope(t, cos, sin, self.rope_dim, self.interleaved)
+
     def attend(self, q_lat, q_pe, latent, indices, span=None, into=None):
         o, lse = (None, None) if into is None else into
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span, out=o,
