@@ -154,6 +154,27 @@ def test_fp8_rows_convert_to_their_bf16_values():
     assert_bf16_of(dsa_triton.fp8_latent_to_bf16(packed, 512, 64), dequantize_latent(packed, 512))
 
 
+@pytest.mark.parametrize("dtype, L, R, T", [(torch.bfloat16, 512, 64, 7), (torch.float32, 512, 64, 300),
+                                            (torch.float32, 32, 16, 5), (torch.bfloat16, 512, 0, 3)])
+def test_latent_rows_quantise_to_the_references_bytes(dtype, L, R, T):
+    """GLM-5's rows (decode's one, a chunk's), a tiny model's (one scale for all of c), GLM-5.3-Flash's (no rope)."""
+    rows = (3 * torch.randn(T, L + R, generator=torch.Generator().manual_seed(T))).to(DEVICE, dtype)
+    got = dsa_triton.quantize_latent(rows, L)
+    assert torch.equal(got, quantize_latent(rows, L))
+    assert dsa_triton.quantize_latent(rows[:0], L).shape == (0, got.shape[1])
+
+
+def test_a_nan_in_a_latent_row_stays_a_nan_of_its_group():
+    """A NaN makes its group's scale NaN (so its c values all NaN) as in the reference; an infinity's group holds
+    NaN and zeros; the other groups and rows are the reference's bytes."""
+    rows = torch.randn(4, 576, generator=torch.Generator().manual_seed(2))
+    rows[1, 5], rows[2, 300], rows[3, 570] = float("nan"), float("inf"), float("nan")
+    got = dequantize_latent(dsa_triton.quantize_latent(rows.to(DEVICE), 512).cpu(), 512)
+    want = dequantize_latent(quantize_latent(rows, 512), 512)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got[1, :128].isnan().all() and not got[1, 128:].isnan().any()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1, 32])
 def test_real_sizes_on_the_gpu(S):

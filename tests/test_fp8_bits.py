@@ -38,12 +38,14 @@ def test_every_byte_widens_to_torchs_value():
 
 
 def test_values_narrow_to_torchs_bytes():
-    """Every e4m3 value, every midpoint between neighbours (ties to even), the subnormals' range, random values."""
+    """Every e4m3 value, every midpoint between neighbours (ties to even), the subnormals' range, random values; past
+    the largest finite value and infinities (torch saturates them at 448), NaN (torch's NaN, with its sign)."""
     values = torch.tensor([b for b in range(127)], dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
     mids = (values[1:] + values[:-1]) / 2
     g = torch.Generator().manual_seed(0)
     x = torch.cat([values, mids, torch.rand(4000, generator=g) * 2**-5, torch.rand(4000, generator=g) * 448,
-                   torch.randn(4000, generator=g), torch.tensor([0.0, 448.0, 447.9, 2.0**-10, 2.0**-9 * 1.5])])
+                   torch.randn(4000, generator=g), torch.tensor([0.0, 448.0, 447.9, 2.0**-10, 2.0**-9 * 1.5]),
+                   torch.tensor([464.0, 464.1, 479.0, 480.0, 1e6, float("inf"), float("nan")])])
     x = torch.cat([x, -x])
     out = torch.empty(x.numel(), dtype=torch.uint8, device=DEVICE)
     _narrow[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, x.numel(), BLOCK=1024)
@@ -106,6 +108,9 @@ KERNELS = [
                          "SH": "i32", "splits": "i32", **K("SPLITS L")}, dict(SPLITS=8, L=512)),
     (d._fp8_latent_to_bf16_kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "T": "i32", **K("L R RB G BLOCK_T")},
      dict(L=512, R=64, RB=64, G=128, BLOCK_T=16)),
+    (d._quantize_latent_kernel, {"rows_ptr": "*bf16", "out_ptr": "*u8", "T": "i32", "stride": "i32",
+                                 **K("L R RB G BLOCK_T PE_ROUND FP8_MAX")},
+     dict(L=512, R=64, RB=64, G=128, BLOCK_T=4, PE_ROUND=False, FP8_MAX=448.0)),
     (e._dequantize_kernel, {"values_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
                             "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
@@ -171,4 +176,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "30 kernels" in proc.stdout
+    assert "31 kernels" in proc.stdout

@@ -16,6 +16,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
+from ..kernels import dsa_triton
 from ..model import KDA, CausalLM, KDAState, LatentLayout, PooledKeys
 from .tiered_kv import TieredLatent
 
@@ -137,9 +138,10 @@ class KVCache:
                 rows_store.end = self.length + n_new
 
     def write_latent(self, layer: int, positions: torch.Tensor, rows: torch.Tensor):
-        """rows [S, L+R] (compute dtype) of the tokens at positions [S] into layer's cache, in its form."""
+        """rows [S, L+R] (compute dtype) of the tokens at positions [S] into layer's cache, in its form (FP8 on a
+        GPU: by one Triton kernel, the same bytes as the reference's ten)."""
         if self.layouts[layer].fp8:
-            rows = quantize_latent(rows, self.kv_lora_rank)
+            rows = (dsa_triton.quantize_latent if rows.is_cuda else quantize_latent)(rows, self.kv_lora_rank)
         rows_store = self.latent[layer]
         if isinstance(rows_store, TieredLatent):
             self._wait_prefetch(layer)
