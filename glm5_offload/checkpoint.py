@@ -13,6 +13,8 @@ raises one Glm5Error naming the tensor or file.
 import hashlib
 import json
 import logging
+import mmap
+import os
 import re
 import struct
 from pathlib import Path
@@ -107,19 +109,54 @@ def check_shard(path: Path) -> tuple[int, dict]:
     return n, header
 
 
-def memory_map(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as a read-only memory map (nothing is read until used)."""
+def _mapped_tensors(path: Path):
+    """(name, dtype, shape, file offset, bytes) of each tensor of a safetensors file, checked."""
     n, header = check_shard(path)
-    arrays = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         start, end = info["data_offsets"]
         if info["dtype"] not in MAPPED_DTYPES:
             raise Glm5Error(f"{path}: tensor {name} has dtype {info['dtype']}, not one of {', '.join(MAPPED_DTYPES)}")
-        dtype, shape = MAPPED_DTYPES[info["dtype"]], tuple(info["shape"])
-        arrays[name] = (np.memmap(path, dtype=dtype, mode="r", offset=8 + n + start, shape=shape) if end > start
-                        else np.zeros(shape, dtype))
+        yield name, MAPPED_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + start, end - start
+
+
+def memory_map(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only memory map (nothing is read until used)."""
+    return {name: np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape) if size else np.zeros(shape, dtype)
+            for name, dtype, shape, offset, size in _mapped_tensors(path)}
+
+
+READ_CHUNK = 1 << 28
+
+
+def read_into_memory(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file read into anonymous memory of its own (one mapping a tensor, huge pages
+    asked for), read-only like a memory map; the file's pages are dropped from the page cache as they are read, so
+    the bytes are not held twice. The CPU experts read such memory faster than a file's map (bench/RESULTS.md)."""
+    arrays = {}
+    with open(path, "rb", buffering=0) as f:
+        for name, dtype, shape, offset, size in _mapped_tensors(path):
+            if not size:
+                arrays[name] = np.zeros(shape, dtype)
+                arrays[name].flags.writeable = False
+                continue
+            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            view = memoryview(buf)
+            done = 0
+            while done < size:
+                got = os.preadv(f.fileno(), [view[done : done + READ_CHUNK]], offset + done)
+                if got <= 0:
+                    raise Glm5Error(f"{path}: tensor {name} ends early ({done} of {size} bytes read)")
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), offset + done, got, os.POSIX_FADV_DONTNEED)
+                done += got
+            view.release()
+            array = np.frombuffer(buf, dtype=dtype).reshape(shape)
+            array.flags.writeable = False
+            arrays[name] = array
     return arrays
 
 

@@ -2,7 +2,7 @@
 (checkpoint, key), under a manifest that records the checkpoint's fingerprint.
 
 Files are written under a temporary name and renamed, so a crash never leaves a half-written entry; entries are
-read back as memory maps. A checkpoint whose files changed (another fingerprint), or a store of another version,
+read back as memory maps, or into memory of their own (checkpoint.read_into_memory). A checkpoint whose files changed (another fingerprint), or a store of another version,
 reads as empty, and its entries are made again. So does an entry whose file is not as it was written (its size,
 modification time and header, recorded in the manifest): truncated, emptied, written over or retyped, it is
 reported once and made again rather than read.
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from .checkpoint import check_shard, fingerprint, memory_map
+from .checkpoint import check_shard, fingerprint, memory_map, read_into_memory
 from .errors import Glm5Error
 
 log = logging.getLogger("glm5_offload")
@@ -49,8 +49,9 @@ class DiskStore:
                 and manifest.get("version") == self.version and isinstance(manifest.get("files"), dict))
         return manifest if same else {}
 
-    def load(self, name: str) -> dict[str, np.ndarray] | None:
-        """The entry's arrays, memory-mapped, or None if the store lacks it or its file is not as written."""
+    def load(self, name: str, in_memory: bool = False) -> dict[str, np.ndarray] | None:
+        """The entry's arrays, memory-mapped (or read into memory), or None if the store lacks it or its file is not
+        as written."""
         entry = self.manifest().get("files", {}).get(name)
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
             return None
@@ -58,15 +59,15 @@ class DiskStore:
         try:
             if _stamp(path) != {k: entry.get(k) for k in ("size", "mtime_ns", "header_sha256")}:
                 raise Glm5Error(f"{path}: its size, time or header changed since it was written")
-            return memory_map(path)
+            return (read_into_memory if in_memory else memory_map)(path)
         except OSError as e:
             log.warning("%s: stored %s cannot be read (%s): making it again", path, name, e.strerror)
         except Glm5Error as e:
             log.warning("%s: making it again", e)
         return None
 
-    def store(self, name: str, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Write an entry (atomically) and return it memory-mapped."""
+    def store(self, name: str, arrays: dict[str, np.ndarray], in_memory: bool = False) -> dict[str, np.ndarray]:
+        """Write an entry (atomically) and return it memory-mapped (or read into memory)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         file = f"{name}.safetensors"
         tmp = self.folder / f".{file}.tmp"
@@ -78,4 +79,4 @@ class DiskStore:
         tmp = self.folder / ".manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, self.folder / "manifest.json")
-        return memory_map(self.folder / file)
+        return (read_into_memory if in_memory else memory_map)(self.folder / file)

@@ -15,7 +15,7 @@ import triton.language as tl
 from ..formats import FP8_MAX, fp8_blocks
 from ..formats.kv_rows import latent_group
 from . import INTERPRET
-from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
+from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot, round_to_bf16
 
 
 @triton.jit
@@ -305,6 +305,48 @@ def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.const
     dst = dst_ptr + t.to(tl.int64)[:, None] * (L + R)
     tl.store(dst + lc[None, :], (e4m3_to_f16(c8).to(tl.float32) * sc).to(tl.bfloat16), mask=ok[:, None])
     tl.store(dst + L + lr[None, :], pe, mask=ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _quantize_latent_kernel(rows_ptr, out_ptr, T, stride, L: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
+                            G: tl.constexpr, BLOCK_T: tl.constexpr, PE_ROUND: tl.constexpr, FP8_MAX: tl.constexpr):
+    # latent rows [T, L+R] (rows `stride` apart; bf16 or fp32) -> their FP8 form [T, L + 4L/G + 2R] bytes:
+    # c as e4m3 with one fp32 scale per G values (amax / FP8_MAX), k_pe as bf16 (PE_ROUND: from fp32, by bits)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < T
+    src = rows_ptr + t.to(tl.int64)[:, None] * stride
+    row = out_ptr + t.to(tl.int64) * (L + 4 * (L // G) + 2 * R)
+    dst = row[:, None]
+    j = tl.arange(0, G)[None, :]
+    for g in tl.static_range(L // G):
+        c = tl.load(src + g * G + j, mask=ok[:, None], other=0.0).to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(c), axis=1), 1e-12), FP8_MAX)  # IEEE division, as torch's
+        scale = tl.where(tl.max((c != c).to(tl.int32), axis=1) > 0, float("nan"), scale)  # amax's NaN, as torch's
+        tl.store(dst + g * G + j, f32_to_e4m3(tl.div_rn(c, scale[:, None])), mask=ok[:, None])
+        tl.store((row + L + 4 * g).to(tl.pointer_type(tl.float32)), scale, mask=ok)
+    lr = tl.arange(0, RB)[None, :]
+    r_ok = ok[:, None] & (lr < R)
+    pe = tl.load(src + L + lr, mask=r_ok, other=0.0).to(tl.float32)
+    if PE_ROUND:
+        pe = round_to_bf16(pe)
+    tl.store((dst + L + 4 * (L // G) + 2 * lr).to(tl.pointer_type(tl.bfloat16)), pe.to(tl.bfloat16), mask=r_ok)
+
+
+def quantize_latent(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+    """Latent rows [T, L+R] (bf16 or fp32) -> their FP8 form [T, L + 4L/G + 2R] uint8, in one kernel (reference:
+    kv_rows.quantize_latent, some ten torch kernels; bit-exact with it on the CPU, where torch divides by IEEE
+    division: on the GPU its scales came out one ulp off this kernel's at times)."""
+    T, L = rows.shape[0], kv_lora_rank
+    R, G = rows.shape[1] - L, latent_group(L)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(T, L + 4 * (L // G) + 2 * R, dtype=torch.uint8, device=rows.device)
+    if T:
+        block_t = 256 if INTERPRET else 4
+        _quantize_latent_kernel[(triton.cdiv(T, block_t),)](rows, out, T, rows.stride(0), L=L, R=R, RB=rope_block(R),
+                                                            G=G, BLOCK_T=block_t, PE_ROUND=rows.dtype != torch.bfloat16,
+                                                            FP8_MAX=FP8_MAX)
+    return out
 
 
 def rope_block(rope_dim: int) -> int:

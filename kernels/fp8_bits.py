@@ -40,7 +40,8 @@ def round_to_bf16(x):
 
 @triton.jit
 def f32_to_e4m3(x):
-    """fp32 values (|x| <= 448, finite) -> e4m3 bytes (uint8), rounded to nearest even as torch rounds."""
+    """fp32 values -> e4m3 bytes (uint8), rounded to nearest even as torch rounds: what rounds past 448, the largest
+    finite value, saturates there (infinities too) and NaN stays NaN (0x7F with its sign), as torch's cast does."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     a = tl.abs(x)
@@ -49,4 +50,5 @@ def f32_to_e4m3(x):
     normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # exponent rebiased from 127 to 7
     subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # multiples of 2^-9, ties to even
     code = tl.minimum(tl.where(a < 0.015625, subnormal, normal), 126)  # 126: 448, the largest finite
+    code = tl.where(a != a, 127, code)  # NaN
     return (code | (sign << 7)).to(tl.uint8)

@@ -11,7 +11,7 @@ from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
 from glm5_offload.loader import load_model
 from glm5_offload.ops import experts_numba
-from glm5_offload.checkpoint import memory_map
+from glm5_offload.checkpoint import memory_map, read_into_memory
 from glm5_offload.ops.expert_ring import DEPTH, ExpertRing, page_locked
 from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 from glm5_offload.rules import load_rules
@@ -22,7 +22,7 @@ from conftest import build_hf_model, refused_rule, rel_err
 PROMPT = torch.randint(12, 1000, (40,), generator=torch.Generator().manual_seed(3))
 
 
-def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml", activations="fp32"):
+def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml", activations="fp32", in_memory=True):
     path = tmp_path / name
     path.write_text(f"""
 - default: {{device: cpu}}
@@ -31,7 +31,7 @@ def numba_rules(tmp_path, fmt="int8", group=32, cache=None, name="rules.yaml", a
     op: experts.numba
     device: cpu
     kwargs: {{format: {fmt}, group_size: {group}, threads: 2, cache_dir: '{cache or tmp_path / "cache"}',
-              activations: {activations}}}
+              activations: {activations}, in_memory: {str(in_memory).lower()}}}
   recursive: false
 """)
     return load_rules(path)
@@ -91,7 +91,9 @@ def test_int8_greedy_tokens_agree_with_bf16(tiny_dir, tmp_path, activations):
     assert (a == b).float().mean() >= (0.9 if activations == "fp32" else 0.8)
 
 
-def test_cache_is_written_once_then_memory_mapped(tiny_dir, tmp_path, monkeypatch):
+def test_cache_is_written_once_then_read_back(tiny_dir, tmp_path, monkeypatch):
+    """The second load reads the stored conversion (into memory of its own by default, or memory-mapped with
+    in_memory: false), read-only either way, the same logits as the first."""
     path = tiny_dir()
     rules = numba_rules(tmp_path, "int4", 64)
     first = load_model(path, rules=rules, dtype=torch.float32)
@@ -100,10 +102,11 @@ def test_cache_is_written_once_then_memory_mapped(tiny_dir, tmp_path, monkeypatc
     manifest = (folders[0] / "manifest.json").read_text()
     assert '"format": "int4"' in manifest and '"group_size": 64' in manifest and str(path) in manifest
     monkeypatch.setattr(experts_numba, "convert_layer", lambda *a: pytest.fail("converted again"))
-    second = load_model(path, rules=rules, dtype=torch.float32)
-    experts = second.model.layers[2].mlp.experts
-    assert isinstance(experts.w13, np.memmap) and not experts.w13.flags.writeable
-    assert torch.equal(logits(first), logits(second))
+    for in_memory in (True, False):
+        second = load_model(path, rules=numba_rules(tmp_path, "int4", 64, in_memory=in_memory), dtype=torch.float32)
+        experts = second.model.layers[2].mlp.experts
+        assert isinstance(experts.w13, np.memmap) != in_memory and not experts.w13.flags.writeable
+        assert torch.equal(logits(first), logits(second))
     monkeypatch.undo()
     load_model(path, rules=numba_rules(tmp_path, "int8", 64, name="int8.yaml"), dtype=torch.float32)
     assert len(list((tmp_path / "cache").iterdir())) == 2  # another format, another entry
@@ -342,15 +345,16 @@ def test_the_next_layers_transfers_run_under_the_gpus_work():
 
 
 @pytest.mark.gpu
-def test_memory_mapped_experts_stream_from_their_locked_pages(tmp_path):
-    """The engine's case: a layer's experts memory-mapped from a stored file are page-locked as they first stream and
-    each is one DMA from there; the results equal the reference, as the staged path's do (pin=False). An array in
-    the heap is never locked (it may share its pages)."""
+@pytest.mark.parametrize("read", [read_into_memory, memory_map])
+def test_stored_experts_stream_from_their_locked_pages(tmp_path, read):
+    """The engine's case: a layer's experts read from a stored file (into memory of their own, or memory-mapped) are
+    page-locked as they first stream and each is one DMA from there; the results equal the reference, as the staged
+    path's do (pin=False). An array in the heap is never locked (it may share its pages)."""
     from safetensors.numpy import save_file
 
     ((experts, w13, w2),) = random_layers(1, "int4", 32, E=48)
     save_file(experts._packed(), tmp_path / "layer.safetensors")
-    arrays = memory_map(tmp_path / "layer.safetensors")
+    arrays = read(tmp_path / "layer.safetensors")
     assert not any(page_locked(a) for a in experts._packed().values())
     for pin in (True, False):
         layer = NumbaExperts(arrays, "int4", 32, threads=2, gpu_tokens=4, gpu_ring=4, pin=pin)
@@ -383,14 +387,16 @@ def test_a_locked_map_is_unlocked_as_it_is_freed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(expert_ring, "_cuda_runtime", Runtime)
     save_file({"w": np.arange(3 * 4096, dtype=np.int32)}, tmp_path / "a.safetensors")
-    array = memory_map(tmp_path / "a.safetensors")["w"]
-    address = array.ctypes.data
-    assert page_locked(array) and page_locked(array)  # locked once
-    assert [c[0] for c in calls] == ["register"] and calls[0][1] == address // 4096 * 4096
-    assert (calls[0][1] + calls[0][2]) % 4096 == 0 and calls[0][1] + calls[0][2] >= address + array.nbytes
-    del array
-    gc.collect()
-    assert calls[-1] == ("unregister", calls[0][1]) and address not in expert_ring._locked
+    for read in (memory_map, read_into_memory):  # a file's map, or memory of its own
+        calls.clear()
+        array = read(tmp_path / "a.safetensors")["w"]
+        address = array.ctypes.data
+        assert page_locked(array) and page_locked(array)  # locked once
+        assert [c[0] for c in calls] == ["register"] and calls[0][1] == address // 4096 * 4096
+        assert (calls[0][1] + calls[0][2]) % 4096 == 0 and calls[0][1] + calls[0][2] >= address + array.nbytes
+        del array
+        gc.collect()
+        assert calls[-1] == ("unregister", calls[0][1]) and address not in expert_ring._locked
 
 
 @pytest.mark.gpu

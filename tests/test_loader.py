@@ -4,6 +4,7 @@ import json
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -191,11 +192,34 @@ def test_index_naming_something_not_a_shard(ckpt, file):
 
 
 def test_a_memory_map_refuses_dtypes_the_stores_never_write(tmp_path):
-    from glm5_offload.checkpoint import memory_map
+    from glm5_offload.checkpoint import memory_map, read_into_memory
 
     save_file({"x": torch.zeros(4, dtype=torch.float16)}, tmp_path / "f16.safetensors")
-    with pytest.raises(Glm5Error, match="tensor x has dtype F16, not one of I8, U8, U16, I32, F32"):
-        memory_map(tmp_path / "f16.safetensors")
+    for read in (memory_map, read_into_memory):
+        with pytest.raises(Glm5Error, match="tensor x has dtype F16, not one of I8, U8, U16, I32, F32"):
+            read(tmp_path / "f16.safetensors")
+
+
+def test_a_store_read_into_memory_holds_the_files_values(tmp_path, monkeypatch):
+    """Every tensor as the memory map reads it (several read chunks, an empty tensor), read-only; a file truncated
+    after its header was checked (cut while being read) is refused in one line."""
+    from glm5_offload import checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randint(0, 255, (3, 1000), generator=g, dtype=torch.uint8),
+               "b": torch.randn(7, 33, generator=g), "empty": torch.zeros(0, 4, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    monkeypatch.setattr(checkpoint, "READ_CHUNK", 512)
+    got, mapped = checkpoint.read_into_memory(tmp_path / "t.safetensors"), checkpoint.memory_map(tmp_path / "t.safetensors")
+    assert set(got) == set(tensors)
+    for name, t in tensors.items():
+        assert got[name].shape == t.shape and np.array_equal(got[name], mapped[name]) and not got[name].flags.writeable
+    assert np.array_equal(got["b"], tensors["b"].numpy())
+    with open(tmp_path / "t.safetensors", "r+b") as f:  # what check_shard saw, then the file cut under the read
+        real_check = checkpoint.check_shard
+        monkeypatch.setattr(checkpoint, "check_shard", lambda p: (real_check(p), f.truncate(f.seek(0, 2) - 100))[0])
+        with pytest.raises(Glm5Error, match=r"t.safetensors: tensor \w+ ends early"):
+            checkpoint.read_into_memory(tmp_path / "t.safetensors")
 
 
 def test_bad_index_file(ckpt):

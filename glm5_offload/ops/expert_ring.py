@@ -16,6 +16,7 @@ staging thread (torch's threaded copy; 13-35 GB/s on the H200 machine's host aga
 
 import ctypes
 import logging
+import mmap
 import threading
 import warnings
 import weakref
@@ -46,11 +47,12 @@ def _cuda_runtime() -> ctypes.CDLL | None:
 
 
 def page_locked(array: np.ndarray) -> bool:
-    """Whether the pages of `array`, a memory map (np.memmap: a mapping of its own), are locked for DMA; the first
-    call asks CUDA to lock them (their whole pages; a page not yet read is read first) until the array is freed.
-    Anything else stays pageable: an array in the heap may share its pages with another. A refusal is logged once
-    per array and clears the runtime's error, which would otherwise surface at torch's next kernel launch."""
-    if not isinstance(array, np.memmap) or array.nbytes == 0:
+    """Whether the pages of `array`, memory in a mapping of its own (np.memmap, checkpoint.read_into_memory's), are
+    locked for DMA; the first call asks CUDA to lock them (their whole pages; a page not yet read is read first)
+    until the array is freed. Anything else stays pageable: an array in the heap may share its pages with another.
+    A refusal is logged once per array and clears the runtime's error, which would otherwise surface at torch's
+    next kernel launch."""
+    if not _own_mapping(array) or array.nbytes == 0:
         return False
     address = array.ctypes.data
     with _locking:
@@ -71,6 +73,14 @@ def page_locked(array: np.ndarray) -> bool:
             # a copy from it, must not find them still registered (CUDA refuses those: "resource already mapped")
             weakref.finalize(array, _forget, runtime if not err else None, start, address)
         return _locked[address]
+
+
+def _own_mapping(array: np.ndarray) -> bool:
+    """Whether array's memory lies in an mmap of its own (at the root of its chain of views)."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    base = array.base.obj if isinstance(array.base, memoryview) else array.base  # np.frombuffer's: a memoryview
+    return isinstance(base, mmap.mmap)
 
 
 def _forget(runtime: ctypes.CDLL | None, start: int, address: int):

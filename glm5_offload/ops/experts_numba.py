@@ -1,7 +1,10 @@
 """`experts.numba`: one MoE layer's routed experts in host RAM, computed by numba kernels on the CPU.
 
 Weights are converted once from the checkpoint (bf16 or FP8) into bf16, int8 or int4 (formats/int_groups.py) and
-kept in a disk store keyed by the checkpoint and the format; the next start memory-maps them. With the router and
+kept in a disk store keyed by the checkpoint and the format; the next start reads them into memory of their own
+(`in_memory`, the default: a decode step's experts took 2.37 ms from it against 2.91 ms from the file's map on the
+H200 machine's host, bench/RESULTS.md) or memory-maps them (`in_memory: false`: pages the OS may drop and read again,
+for a host whose RAM the experts do not fit). With the router and
 shared expert on the GPU, the hidden state crosses to the CPU once per layer through pinned buffers: begin()
 queues that copy, the MoE block then queues the shared expert on the GPU, host() waits for the copy alone (the
 one synchronisation) and runs the experts on every core while the GPU works, and finish() queues the result's
@@ -337,11 +340,13 @@ class NumbaExpertsOperator(ExpertsOperator):
     cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring
     (experts the GPU holds), pin_experts (page-lock the stored experts as they first stream to the GPU: true, the
     default, or false: staged through pinned buffers by a host thread), split_tokens (GPU chunks of fewer tokens
-    give their lightest experts to the CPU cores at the same time; default 1024, null: never)."""
+    give their lightest experts to the CPU cores at the same time; default 1024, null: never), in_memory (read the
+    stored experts into memory at load: true, the default, or memory-map them: false)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
-             "gpu_tokens": None, "gpu_ring": DEPTH, "pin_experts": True, "split_tokens": SPLIT_TOKENS, **kwargs}
+             "gpu_tokens": None, "gpu_ring": DEPTH, "pin_experts": True, "split_tokens": SPLIT_TOKENS,
+             "in_memory": True, **kwargs}
         if k["format"] not in BITS:
             raise Glm5Error(f"format must be one of {', '.join(BITS)}, got {k['format']!r}")
         if k["group_size"] is not None and k["group_size"] not in GROUP_SIZES:
@@ -358,8 +363,9 @@ class NumbaExpertsOperator(ExpertsOperator):
             raise Glm5Error(f"gpu_tokens must be a positive number of tokens, got {k['gpu_tokens']!r}")
         if not is_positive_int(k["gpu_ring"]) or k["gpu_ring"] < 2:
             raise Glm5Error(f"gpu_ring must be a number of experts, at least 2, got {k['gpu_ring']!r}")
-        if not isinstance(k["pin_experts"], bool):
-            raise Glm5Error(f"pin_experts must be true or false, got {k['pin_experts']!r}")
+        for name in ("pin_experts", "in_memory"):
+            if not isinstance(k[name], bool):
+                raise Glm5Error(f"{name} must be true or false, got {k[name]!r}")
         if k["split_tokens"] is not None and not is_positive_int(k["split_tokens"]):
             raise Glm5Error(f"split_tokens must be a positive number of tokens or null, got {k['split_tokens']!r}")
         return k
@@ -395,13 +401,14 @@ class NumbaExpertsOperator(ExpertsOperator):
         return buffers
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> NumbaExperts:
-        """Memory-map the stored conversion of this layer's experts, converting it first if needed."""
+        """Read (or memory-map) the stored conversion of this layer's experts, converting it first if needed."""
         k, config = slot.kwargs, ctx.config
         fmt, group = self.packing(slot, ctx.dtype)
         store = expert_store(Path(k["cache_dir"] or cache_dir() / "experts"), ctx.model_dir, fmt, group)
-        arrays = store.load(slot.name)
+        arrays = store.load(slot.name, k["in_memory"])
         if arrays is None:
-            arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group))
+            arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group),
+                                 k["in_memory"])
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
                             k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"])
 
@@ -412,5 +419,5 @@ class NumbaExpertsOperator(ExpertsOperator):
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
     kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring", "pin_experts",
-            "split_tokens"),
+            "split_tokens", "in_memory"),
     devices=("cpu",))

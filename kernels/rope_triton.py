@@ -1,0 +1,78 @@
+"""Rotary position embedding in one Triton kernel: rows of heads, each row's first values rotated, the rest copied.
+
+The reference is model/rope.py's apply_rope, nine kernels in torch (cos and sin cast, four products, a difference,
+a sum, the cat), and for the indexer's queries a split and a second cat around it. A full layer ropes four tensors
+per step (MLA's query and key parts, the indexer's queries, and its keys, whose FP8 form dsa_triton's kernel writes):
+a decode step then launches three kernels there instead of some thirty.
+
+Bit-exact with the reference in bf16 (each product, difference and sum rounded to bf16 as torch's bf16 ops round
+their fp32 result, by bits: Triton's interpreter truncates bf16 casts); fp32 to rounding, where the GPU may contract
+a product and a difference into one fused multiply-add.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from . import INTERPRET
+from .fp8_bits import round_to_bf16
+
+ROWS = 4096 if INTERPRET else 64  # rows (token, head) a program: the interpreter pays per program
+
+
+@triton.jit
+def _bf16(x, BF16: tl.constexpr):
+    if BF16:
+        x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, M, stride_s, stride_m, D: tl.constexpr, HALF: tl.constexpr,
+                 REST: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr, BF16: tl.constexpr):
+    # x [S, M, D] (values contiguous, rows at stride_s / stride_m), cos/sin [S, HALF] fp32 -> out [S, M, D]
+    # contiguous; rows r = s * M + m, N = S * M; program: BLOCK_R rows. Values 0..2 HALF-1 rotated (interleaved
+    # pairs (2i, 2i+1) or halves (i, HALF+i)), written de-interleaved as [first | second]; the D - 2 HALF after copied.
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
+    row_ok = r < N
+    s, m = r // M, r % M
+    src = x_ptr + s * stride_s + m * stride_m
+    dst = out_ptr + r * D
+    i = tl.arange(0, HALF)[None, :]
+    c = _bf16(tl.load(cos_ptr + s * HALF + i, mask=row_ok, other=0.0), BF16)
+    sn = _bf16(tl.load(sin_ptr + s * HALF + i, mask=row_ok, other=0.0), BF16)
+    if INTERLEAVED:
+        x1 = tl.load(src + 2 * i, mask=row_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 2 * i + 1, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src + i, mask=row_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=row_ok, other=0.0).to(tl.float32)
+    first = _bf16(_bf16(x1 * c, BF16) - _bf16(x2 * sn, BF16), BF16)
+    second = _bf16(_bf16(x2 * c, BF16) + _bf16(x1 * sn, BF16), BF16)
+    tl.store(dst + i, first.to(out_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(dst + HALF + i, second.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if REST > 0:
+        j = 2 * HALF + tl.arange(0, REST)[None, :]
+        ok = row_ok & (j < D)
+        tl.store(dst + j, tl.load(src + j, mask=ok, other=0.0), mask=ok)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool) -> torch.Tensor:
+    """x [S, D] or [S, M, D] (bf16 or fp32; its last dim contiguous), cos, sin [S, rope_dim/2] fp32 -> a new
+    contiguous tensor like x: the first rope_dim values of each row rotated as apply_rope rotates them (cos and sin
+    cast to x's dtype first), the other D - rope_dim copied."""
+    rows = x if x.dim() == 3 else x[:, None]
+    S, M, D = rows.shape
+    half = rope_dim // 2
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rope_dim % 2 or half & (half - 1) or rope_dim > D:
+        raise ValueError(f"rope_triton: rope_dim {rope_dim} must be even, half a power of two, and at most {D}")
+    out = torch.empty((S, M, D), dtype=x.dtype, device=x.device)
+    n = S * M
+    if n:
+        _rope_kernel[(triton.cdiv(n, ROWS),)](
+            rows, cos.float().contiguous(), sin.float().contiguous(), out, n, M, rows.stride(0), rows.stride(1),
+            D=D, HALF=half, REST=triton.next_power_of_2(D - rope_dim) if D > rope_dim else 0, BLOCK_R=ROWS,
+            INTERLEAVED=interleaved, BF16=x.dtype == torch.bfloat16)
+    return out.view(x.shape)
