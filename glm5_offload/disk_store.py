@@ -2,10 +2,10 @@
 (checkpoint, key), under a manifest that records the checkpoint's fingerprint.
 
 Files are written under a temporary name and renamed, so a crash never leaves a half-written entry; entries are
-read back as memory maps, or into memory of their own (checkpoint.read_into_memory). A checkpoint whose files changed (another fingerprint), or a store of another version,
-reads as empty, and its entries are made again. So does an entry whose file is not as it was written (its size,
-modification time and header, recorded in the manifest): truncated, emptied, written over or retyped, it is
-reported once and made again rather than read.
+read back as memory maps, or into memory of their own (checkpoint.read_into_memory). A checkpoint whose files
+changed (another fingerprint), or a store of another version, reads as empty, and its entries are made again. So
+does an entry whose file is not as it was written (its size, modification time and header, recorded in the
+manifest): truncated, emptied, written over or retyped, it is reported once and made again rather than read.
 """
 
 import hashlib

@@ -196,6 +196,7 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{gpu_tokens: 0}", "gpu_tokens must be a positive number of tokens"),
     ("{gpu_ring: 1}", "gpu_ring must be a number of experts, at least 2, got 1"),
     ("{pin_experts: 1}", "pin_experts must be true or false, got 1"),
+    ("{in_memory: yes please}", "in_memory must be true or false, got 'yes please'"),
     ("{split_tokens: yes please}", "split_tokens must be a positive number of tokens or null, got 'yes please'"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
