@@ -1,13 +1,13 @@
 """Where a prefill chunk's routed experts should run: one MoE layer of a real model's dims (--preset; GLM-5's by
-default: 256 experts of 2048, 8 per token; random weights) for chunks of growing size, on the CPU cores (numba) and streamed to
-the GPU (each active expert's packed weights, dequantised there, bf16 matmuls). The layer is written to a
-safetensors file under --folder and memory-mapped, as the engine holds its expert cache; the GPU path is timed
-both ways an expert reaches the GPU: one DMA from the page-locked map (`pin_experts: true`, the default) and
-staged through pinned buffers by a host thread (false), and split (below `split_tokens`, default 1024; here at
-every size: the lightest experts on the CPU cores at the same time, in the share their speeds, measured on the
-chunk's first run, balance). Each mode's figure is its second run of the chunk. The chunk size where the GPU path wins is the
-`gpu_tokens` kwarg of experts.numba to set; it is measured here, not guessed. Against the pinned copy bandwidth
-measured in the same run.
+default: 256 experts of 2048, 8 per token; random weights) for chunks of growing size, on the CPU cores (numba)
+and streamed to the GPU (each active expert's packed weights, dequantised there, bf16 matmuls). The layer is
+written to a safetensors file under --folder and read back as the engine reads its expert cache (into memory of its
+own; --mapped: memory-mapped, as `in_memory: false`); the GPU path is timed both ways an expert reaches the GPU:
+one DMA from the page-locked memory (`pin_experts: true`, the default) and staged through pinned buffers by a host
+thread (false), and split (below `split_tokens`, default 1024; here at every size: the lightest experts on the CPU
+cores at the same time, in the share their speeds, measured on the chunk's first run, balance). Each mode's figure
+is its second run of the chunk. The chunk size where the GPU path wins is the `gpu_tokens` kwarg of experts.numba to
+set; it is measured here, not guessed. Against the pinned copy bandwidth measured in the same run.
 
 With --sequence, the next layer's prefetch instead: `--layers` MoE layers in turn on one long chunk, each after
 a stand-in for its attention (bf16 matmuls queued on the GPU for --attention-ms), with and without the
@@ -33,7 +33,7 @@ import torch
 from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
-from glm5_offload.checkpoint import memory_map
+from glm5_offload.checkpoint import memory_map, read_into_memory
 from glm5_offload.ops.expert_ring import ExpertRing
 from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 
@@ -49,14 +49,14 @@ def pinned_h2d_gb_s() -> float:
     return (1 << 30) / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
 
 
-def mapped_layer(args) -> dict[str, np.ndarray]:
-    """A random layer in the CPU format, written to a safetensors file and memory-mapped (as experts_numba's store)."""
+def stored_layer(args) -> dict[str, np.ndarray]:
+    """A random layer in the CPU format, written to a safetensors file and read back as experts_numba's store is."""
     v13, s13, v2, s2 = bench_experts.random_layer(args.format, EXPERTS, args.group)
     path = os.path.join(args.folder, f"bench-prefill-experts-{Path(args.preset).name}-{args.format}-g{args.group}"
                                      ".safetensors")
     save_file({"w13": v13, "s13": s13, "w2": v2, "s2": s2}, path)
     del v13, s13, v2, s2
-    return memory_map(Path(path))
+    return (memory_map if args.mapped else read_into_memory)(Path(path))
 
 
 def main(argv=None):
@@ -77,10 +77,11 @@ def main(argv=None):
     parser.add_argument("--rings", default="8,256")
     parser.add_argument("--attention-ms", default="0,100,300")
     parser.add_argument("--folder", default="/tmp", help="where the layer's file is written (and left)")
+    parser.add_argument("--mapped", action="store_true", help="memory-map the layer (experts.numba's in_memory: false)")
     args = parser.parse_args(argv)
     EXPERTS = bench_experts.use_preset(args.preset)
     HIDDEN, INTER, TOP_K = bench_experts.HIDDEN, bench_experts.INTER, bench_experts.TOP_K
-    arrays = mapped_layer(args)
+    arrays = stored_layer(args)
     if args.sequence:
         return sequence(arrays, args)
     v13, s13, v2, s2 = (arrays[n] for n in ("w13", "s13", "w2", "s2"))
