@@ -17,14 +17,8 @@ import triton.language as tl
 from . import INTERPRET
 from .fp8_bits import round_to_bf16
 
-ROWS = 4096 if INTERPRET else 64  # rows (token, head) a program: the interpreter pays per program
-
-
-@triton.jit
-def _bf16(x, BF16: tl.constexpr):
-    if BF16:
-        x = round_to_bf16(x)
-    return x
+ROWS = 4096 if INTERPRET else 64  # rows (token, head) a program: the interpreter pays per program (and per row of
+# its block: there a block is cut to the rows there are)
 
 
 @triton.jit
@@ -39,16 +33,22 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, M, stride_s, stride_m, D: 
     src = x_ptr + s * stride_s + m * stride_m
     dst = out_ptr + r * D
     i = tl.arange(0, HALF)[None, :]
-    c = _bf16(tl.load(cos_ptr + s * HALF + i, mask=row_ok, other=0.0), BF16)
-    sn = _bf16(tl.load(sin_ptr + s * HALF + i, mask=row_ok, other=0.0), BF16)
+    c = tl.load(cos_ptr + s * HALF + i, mask=row_ok, other=0.0)
+    sn = tl.load(sin_ptr + s * HALF + i, mask=row_ok, other=0.0)
     if INTERLEAVED:
         x1 = tl.load(src + 2 * i, mask=row_ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + 2 * i + 1, mask=row_ok, other=0.0).to(tl.float32)
     else:
         x1 = tl.load(src + i, mask=row_ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + i, mask=row_ok, other=0.0).to(tl.float32)
-    first = _bf16(_bf16(x1 * c, BF16) - _bf16(x2 * sn, BF16), BF16)
-    second = _bf16(_bf16(x2 * c, BF16) + _bf16(x1 * sn, BF16), BF16)
+    if BF16:  # each op's result rounded as torch's bf16 ops round theirs (no helper per op: the interpreter pays
+        # for every call of a jit function)
+        c, sn = round_to_bf16(c), round_to_bf16(sn)
+        first = round_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * sn))
+        second = round_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * sn))
+    else:
+        first = x1 * c - x2 * sn
+        second = x2 * c + x1 * sn
     tl.store(dst + i, first.to(out_ptr.dtype.element_ty), mask=row_ok)
     tl.store(dst + HALF + i, second.to(out_ptr.dtype.element_ty), mask=row_ok)
     if REST > 0:
@@ -71,8 +71,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, i
     out = torch.empty((S, M, D), dtype=x.dtype, device=x.device)
     n = S * M
     if n:
-        _rope_kernel[(triton.cdiv(n, ROWS),)](
+        block = min(ROWS, triton.next_power_of_2(n)) if INTERPRET else ROWS
+        _rope_kernel[(triton.cdiv(n, block),)](
             rows, cos.float().contiguous(), sin.float().contiguous(), out, n, M, rows.stride(0), rows.stride(1),
-            D=D, HALF=half, REST=triton.next_power_of_2(D - rope_dim) if D > rope_dim else 0, BLOCK_R=ROWS,
+            D=D, HALF=half, REST=triton.next_power_of_2(D - rope_dim) if D > rope_dim else 0, BLOCK_R=block,
             INTERLEAVED=interleaved, BF16=x.dtype == torch.bfloat16)
     return out.view(x.shape)

@@ -6,7 +6,8 @@ indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's
 rows over 64K keys by a sample's threshold (topk_triton.topk_sampled; torch.topk with sampled_topk false), shorter
 ones and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
 by one kernel straight into the cache rows; the other ropes (MLA's query and key parts, the indexer's queries) take
-one kernel each (kernels/rope_triton.py).
+one kernel each on a GPU (kernels/rope_triton.py; on the CPU torch's: in Triton's interpreter each launch costs some
+10 ms, which the CPU tests' forwards would pay thrice a layer).
 """
 
 import torch
@@ -35,6 +36,8 @@ class TritonIndexer(Indexer):
         return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
 
     def _rope(self, t, cos, sin):
+        if not t.is_cuda:
+            return super()._rope(t, cos, sin)
         return rope_triton.rope(t, cos, sin, self.rope_dim, self.interleaved)
 
     def write_keys(self, k, cos, sin, keys, positions):
@@ -70,6 +73,8 @@ class TritonPooledIndexer(PooledIndexer):
 
 class TritonAttention(Attention):
     def rope(self, t, cos, sin):
+        if not t.is_cuda:
+            return super().rope(t, cos, sin)
         return rope_triton.rope(t, cos, sin, self.rope_dim, self.interleaved)
 
     def attend(self, q_lat, q_pe, latent, indices, span=None, into=None):
