@@ -1,5 +1,5 @@
-"""One MoE layer of a real model's dims (GLM-5's by default) on the CPU: numba kernels per format against the read bandwidth
-measured in the same run and against a torch CPU baseline on the same weights.
+"""One MoE layer of a real model's dims (GLM-5's by default) on the CPU: numba kernels per format against the read
+bandwidth measured in the same run and against a torch CPU baseline on the same weights.
 
     PYTHONPATH=. python3 bench/bench_experts.py [--preset glm-5] [--experts 256] [--threads N]
         [--formats bf16,int8,int4] [--prefetch 0,1024,4096] [--tiles 64,512,2048]
@@ -162,7 +162,8 @@ def prefetch_sweep(distances, experts, group, threads, preset, rounds=2) -> list
     for _ in range(rounds):
         for d in distances:
             with tempfile.TemporaryDirectory() as cache:
-                proc = subprocess.run([sys.executable, "-c", code.format(d=d, e=experts, g=group, t=threads, p=preset)],
+                script = code.format(d=d, e=experts, g=group, t=threads, p=preset)
+                proc = subprocess.run([sys.executable, "-c", script],
                                       env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True,
                                       check=True)
             seconds, nbytes = json.loads(proc.stdout.strip().splitlines()[-1])

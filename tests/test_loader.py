@@ -210,7 +210,8 @@ def test_a_store_read_into_memory_holds_the_files_values(tmp_path, monkeypatch):
                "b": torch.randn(7, 33, generator=g), "empty": torch.zeros(0, 4, dtype=torch.int32)}
     save_file(tensors, tmp_path / "t.safetensors")
     monkeypatch.setattr(checkpoint, "READ_CHUNK", 512)
-    got, mapped = checkpoint.read_into_memory(tmp_path / "t.safetensors"), checkpoint.memory_map(tmp_path / "t.safetensors")
+    path = tmp_path / "t.safetensors"
+    got, mapped = checkpoint.read_into_memory(path), checkpoint.memory_map(path)
     assert set(got) == set(tensors)
     for name, t in tensors.items():
         assert got[name].shape == t.shape and np.array_equal(got[name], mapped[name]) and not got[name].flags.writeable

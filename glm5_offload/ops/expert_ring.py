@@ -9,8 +9,9 @@ depth serves every layer: as a layer's last matmuls release their slots, the nex
 
 The experts' host memory (the cache read into mappings of their own, or its memory maps) is page-locked
 (registered with CUDA) the first time a ring streams it, so each transfer is one DMA straight from it at the bus's
-speed, queued by the calling thread itself, and no host core copies anything. Memory the driver refuses to lock, or all of it with `pin=False`, goes through PINNED pinned buffers instead, copied into by the
-staging thread (torch's threaded copy; 13-35 GB/s on the H200 machine's host against a 55 GB/s bus).
+speed, queued by the calling thread itself, and no host core copies anything. Memory the driver refuses to lock,
+or all of it with `pin=False`, goes through PINNED pinned buffers instead, copied into by the staging thread
+(torch's threaded copy; 13-35 GB/s on the H200 machine's host against a 55 GB/s bus).
 """
 
 import ctypes
