@@ -10,11 +10,12 @@ as llama.cpp's Q8 activations do; the reference then quantises its activations t
 (int_groups.quantize_activations).
 
 The kernel is one call per layer and token batch: pairs (token, slot) are grouped by expert; phase 1
-computes gate and up for every (expert, block of rows) in parallel, reading each weight row once for
-all of that expert's tokens (with int8 activations an int4 row is unpacked once for 4 of them); phase 2
-computes SiLU(gate) x up; phase 3 splits the output rows into blocks, each thread summing every active
-expert's down rows of its block times the routing weight.
-Both parallel phases have many more work items than cores, so all cores stay busy with 8 experts. Each int4
+computes gate and up for every (expert, block of intermediate indices: one group of the int formats) in
+parallel, reading each weight row once for all of that expert's tokens (with int8 activations an int4 row is
+unpacked once for 4 of them), then the block's SiLU(gate) x up and its int8 form; phase 2 splits the output
+rows into blocks, each thread summing every active expert's down rows of its block times the routing weight.
+Two parallel regions a call (each a fork and a join of the thread team: what a decode step pays besides the
+bytes), each with many more work items than cores, so all cores stay busy with 8 experts. Each int4
 weight step prefetches the line PREFETCH_AHEAD bytes on, so a core's dots and its DRAM reads overlap.
 """
 
@@ -398,23 +399,28 @@ def _tile_u4q(typingctx, rows, ws, vqs, vss, vsums, out):
     return types.none(rows, ws, vqs, vss, vsums, out), codegen
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _quantize_group(x, out):
+    """One group x [G] fp32 -> out [G] int8 (amax / 127 a step); returns the scale and the sum of out."""
+    amax = np.float32(0.0)
+    for j in range(x.shape[0]):
+        amax = max(amax, abs(x[j]))
+    scale = amax / np.float32(127.0)
+    total = 0
+    for j in range(x.shape[0]):
+        out[j] = np.int8(np.round(x[j] / scale)) if scale > 0 else np.int8(0)
+        total += out[j]
+    return scale, total
+
+
 @njit(nogil=True, cache=True)
 def _quantize_rows(v, group, q, scales, sums):
     """v [N, K] fp32 -> q [N, K] int8, scales and sums of q [N, K/group] (fp32 amax / 127, int32) per group
     (int_groups.quantize_activations)."""
     for i in range(v.shape[0]):
         for g in range(v.shape[1] // group):
-            x, out = v[i, g * group : (g + 1) * group], q[i, g * group : (g + 1) * group]
-            amax = np.float32(0.0)
-            for j in range(group):
-                amax = max(amax, abs(x[j]))
-            scale = amax / np.float32(127.0)
-            scales[i, g] = scale
-            total = 0
-            for j in range(group):
-                out[j] = np.int8(np.round(x[j] / scale)) if scale > 0 else np.int8(0)
-                total += out[j]
-            sums[i, g] = total
+            at = slice(g * group, (g + 1) * group)
+            scales[i, g], sums[i, g] = _quantize_group(v[i, at], q[i, at])
 
 
 DOTS_AT_ONCE = 4  # int4 rows x int8 vectors: this many vectors a pass over the row
@@ -560,48 +566,57 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     xs = np.empty((xq.shape[0], hidden // group), np.float32)
     x_qsums = np.empty((xq.shape[0], hidden // group), np.int32)
     _quantize_rows(x[: xq.shape[0]], group, xq, xs, x_qsums)
-    tiles = (TILES and fmt == 2 and act_int8 and group == TILE_GROUP and rows13 % TILE_ROWS == 0
+    tiles = (TILES and fmt == 2 and act_int8 and group == TILE_GROUP and inter % TILE_ROWS == 0
              and hidden % TILE_ROWS == 0)
     most = 0  # pairs of the busiest expert
     for a in range(n_active):
         most = max(most, expert_start[a + 1] - expert_start[a])
-    blocks13 = (rows13 + ROW_BLOCK - 1) // ROW_BLOCK
-    for item in prange(n_active * blocks13):  # gate and up: (expert, block of rows)
-        a, block = item // blocks13, item % blocks13
-        e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
-        end = min(rows13, (block + 1) * ROW_BLOCK)
-        if tiles and last - first >= TILE_MIN:
-            ws = np.empty((hidden // group, TILE_ROWS), np.float32)
-            res = np.empty((most + 3, TILE_ROWS), np.float32)
-            for r0 in range(block * ROW_BLOCK, end, TILE_ROWS):
-                _tile_rows(w13[e], s13[e], r0, xq, xs, x_qsums, pair_token, first, last, ws, res)
-                for p in range(first, last):
-                    for i in range(TILE_ROWS):
-                        gu[p, r0 + i] = res[p - first, i]
-            continue
-        buf = np.empty(hidden, np.float32)
-        dots = np.empty(n_pairs, np.float32)
-        for r in range(block * ROW_BLOCK, end):
-            _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs, x_qsums,
-                        pair_token, first, last, buf, dots)
-            for p in range(first, last):
-                gu[p, r] = dots[p]
     lim = np.float32(limit)
-    for p in prange(n_pairs):  # SiLU(gate) * up
-        for i in range(inter):
-            g, u = gu[p, i], gu[p, inter + i]
-            if g > lim:  # comparisons, not min/max: a NaN stays NaN
-                g = lim
-            if u > lim:
-                u = lim
-            elif u < -lim:
-                u = -lim
-            act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
-    act_sums = _group_sums(act, group) if fmt == 2 and not act_int8 else np.zeros((n_pairs, 1), np.float32)
+    act_sums = np.zeros((n_pairs, inter // group) if fmt == 2 and not act_int8 else (n_pairs, 1), np.float32)
     aq = np.empty((n_pairs if act_int8 else 0, inter), np.int8)
     a_scales = np.empty((aq.shape[0], inter // group), np.float32)
     a_qsums = np.empty((aq.shape[0], inter // group), np.int32)
-    _quantize_rows(act[: aq.shape[0]], group, aq, a_scales, a_qsums)
+    # gate and up: an item is (expert, a block of `width` intermediate indices), the gate rows and the up rows of the
+    # block; then the block's SiLU(gate) x up and, for int weights, its one group of the down projection's inputs
+    # (int8-quantised, or its sum), so the down phase starts from finished inputs
+    width = group if fmt else ROW_BLOCK
+    blocks = (inter + width - 1) // width
+    for item in prange(n_active * blocks):
+        a, block = item // blocks, item % blocks
+        e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
+        i0, i1 = block * width, min(inter, (block + 1) * width)
+        if tiles and last - first >= TILE_MIN:
+            ws = np.empty((hidden // group, TILE_ROWS), np.float32)
+            res = np.empty((most + 3, TILE_ROWS), np.float32)
+            for half in range(2):  # gate, up
+                for r0 in range(half * inter + i0, half * inter + i1, TILE_ROWS):
+                    _tile_rows(w13[e], s13[e], r0, xq, xs, x_qsums, pair_token, first, last, ws, res)
+                    for p in range(first, last):
+                        for i in range(TILE_ROWS):
+                            gu[p, r0 + i] = res[p - first, i]
+        else:
+            buf = np.empty(hidden, np.float32)
+            dots = np.empty(n_pairs, np.float32)
+            for half in range(2):
+                for r in range(half * inter + i0, half * inter + i1):
+                    _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs,
+                                x_qsums, pair_token, first, last, buf, dots)
+                    for p in range(first, last):
+                        gu[p, r] = dots[p]
+        for p in range(first, last):  # SiLU(gate) x up
+            for i in range(i0, i1):
+                g, u = gu[p, i], gu[p, inter + i]
+                if g > lim:  # comparisons, not min/max: a NaN stays NaN
+                    g = lim
+                if u > lim:
+                    u = lim
+                elif u < -lim:
+                    u = -lim
+                act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
+            if act_int8:  # i0..i1 is one group
+                a_scales[p, block], a_qsums[p, block] = _quantize_group(act[p, i0:i1], aq[p, i0:i1])
+            elif fmt == 2:
+                act_sums[p, block] = act[p, i0:i1].sum()
     pairs = np.arange(n_pairs).astype(np.int32)
     blocks2 = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for block in prange(blocks2):  # down: each thread owns a block of output rows
@@ -628,17 +643,50 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
 
 def group_by_expert(ids: np.ndarray, weights: np.ndarray, only: np.ndarray | None = None):
     """ids/weights [T, k] -> pair_token, pair_weight, expert_ids, expert_start (see moe_layer); with `only` (expert
-    ids), the pairs of those experts alone."""
-    flat, tokens, pair_weights = ids.reshape(-1), np.arange(ids.size) // ids.shape[1], weights.reshape(-1)
-    if only is not None:
-        kept = np.isin(flat, only)
-        flat, tokens, pair_weights = flat[kept], tokens[kept], pair_weights[kept]
-    order = np.argsort(flat, kind="stable")
-    experts, counts = np.unique(flat[order], return_counts=True)
-    start = np.zeros(len(experts) + 1, np.int32)
-    np.cumsum(counts, out=start[1:])
-    return (tokens[order].astype(np.int32), pair_weights[order].astype(np.float32), experts.astype(np.int32),
-            start)
+    ids), the pairs of those experts alone. Pairs keep their (token, slot) order within an expert."""
+    if ids.size and (ids.min() < 0):
+        raise ValueError(f"expert ids must be >= 0, got {ids.min()}")
+    only = np.empty(0, np.int64) if only is None else np.asarray(only, np.int64)
+    return _group_by_expert(np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(weights, np.float32), only,
+                            only.size > 0)
+
+
+@njit(nogil=True, cache=True)
+def _group_by_expert(ids, weights, only, use_only):
+    # a counting sort of the pairs by expert (stable: one pass counts, one places)
+    n_experts = ids.max() + 1 if ids.size else 0
+    kept = np.ones(n_experts, np.bool_)
+    if use_only:
+        kept[:] = False
+        for e in only:
+            if e < n_experts:
+                kept[e] = True
+    counts = np.zeros(n_experts + 1, np.int64)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if kept[e]:
+                counts[e + 1] += 1
+    active = 0
+    for e in range(n_experts):
+        active += counts[e + 1] > 0
+        counts[e + 1] += counts[e]  # counts[e]: where expert e's pairs start
+    pairs = counts[n_experts]
+    pair_token, pair_weight = np.empty(pairs, np.int32), np.empty(pairs, np.float32)
+    expert_ids, expert_start = np.empty(active, np.int32), np.empty(active + 1, np.int32)
+    a = 0
+    for e in range(n_experts):
+        if counts[e + 1] > counts[e]:
+            expert_ids[a], expert_start[a] = e, counts[e]
+            a += 1
+    expert_start[active] = pairs
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if kept[e]:
+                pair_token[counts[e]], pair_weight[counts[e]] = t, weights[t, j]
+                counts[e] += 1
+    return pair_token, pair_weight, expert_ids, expert_start
 
 
 def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.ndarray, weights: np.ndarray,

@@ -108,6 +108,24 @@ def test_grouping_keeps_every_pair():
     assert sorted(zip(token.tolist(), weight.tolist())) == [(0, 0.0), (0, 1.0), (1, 2.0), (1, 3.0), (2, 4.0), (2, 5.0)]
 
 
+@pytest.mark.parametrize("only", [False, True])
+def test_grouping_is_a_stable_sort_by_expert(only):
+    """The counting sort against numpy's stable argsort, on random routes (an expert repeated across tokens, some
+    experts idle); `only` keeps the pairs of half of the experts."""
+    rng = np.random.default_rng(1)
+    ids, weights = rng.integers(0, 40, (300, 8)), rng.standard_normal((300, 8)).astype(np.float32)
+    kept = np.sort(rng.choice(40, 20, replace=False)) if only else None
+    flat, tokens, pair_weights = ids.reshape(-1), np.arange(ids.size) // 8, weights.reshape(-1)
+    if only:
+        mask = np.isin(flat, kept)
+        flat, tokens, pair_weights = flat[mask], tokens[mask], pair_weights[mask]
+    order = np.argsort(flat, kind="stable")
+    experts, counts = np.unique(flat[order], return_counts=True)
+    token, weight, got_experts, start = moe_cpu.group_by_expert(ids, weights, kept)
+    assert token.tolist() == tokens[order].tolist() and weight.tolist() == pair_weights[order].tolist()
+    assert got_experts.tolist() == experts.tolist() and start.tolist() == [0, *np.cumsum(counts).tolist()]
+
+
 @pytest.mark.parametrize("first, last", [(0, 21), (2, 11), (3, 7), (5, 6), (0, 8)])
 def test_a_tile_equals_exact_integer_dots(first, last):
     """_tile_rows: 16 int4 rows (groups of 128, from row 2 of 20) times int8 vectors chosen through `which`, by tiles of
