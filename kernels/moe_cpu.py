@@ -603,20 +603,21 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                                 x_qsums, pair_token, first, last, buf, dots)
                     for p in range(first, last):
                         gu[p, r] = dots[p]
-        for p in range(first, last):  # SiLU(gate) x up
-            for i in range(i0, i1):
-                g, u = gu[p, i], gu[p, inter + i]
+        for p in range(first, last):  # SiLU(gate) x up, over slices indexed from 0 (see above)
+            gates, ups, acts = gu[p, i0:i1], gu[p, inter + i0 : inter + i1], act[p, i0:i1]
+            for j in range(i1 - i0):
+                g, u = gates[j], ups[j]
                 if g > lim:  # comparisons, not min/max: a NaN stays NaN
                     g = lim
                 if u > lim:
                     u = lim
                 elif u < -lim:
                     u = -lim
-                act[p, i] = g / (np.float32(1.0) + np.exp(-g)) * u
+                acts[j] = g / (np.float32(1.0) + np.exp(-g)) * u
             if act_int8:  # i0..i1 is one group
-                a_scales[p, block], a_qsums[p, block] = _quantize_group(act[p, i0:i1], aq[p, i0:i1])
+                a_scales[p, block], a_qsums[p, block] = _quantize_group(acts, aq[p, i0:i1])
             elif fmt == 2:
-                act_sums[p, block] = act[p, i0:i1].sum()
+                act_sums[p, block] = acts.sum()
     pairs = np.arange(n_pairs).astype(np.int32)
     blocks2 = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for block in prange(blocks2):  # down: each thread owns a block of output rows
