@@ -126,6 +126,11 @@ def test_grouping_is_a_stable_sort_by_expert(only):
     assert got_experts.tolist() == experts.tolist() and start.tolist() == [0, *np.cumsum(counts).tolist()]
 
 
+def test_grouping_refuses_a_negative_expert_id():
+    with pytest.raises(ValueError, match="expert ids must be >= 0, got -1"):
+        moe_cpu.group_by_expert(np.array([[0, -1]]), np.ones((1, 2), np.float32))
+
+
 @pytest.mark.parametrize("first, last", [(0, 21), (2, 11), (3, 7), (5, 6), (0, 8)])
 def test_a_tile_equals_exact_integer_dots(first, last):
     """_tile_rows: 16 int4 rows (groups of 128, from row 2 of 20) times int8 vectors chosen through `which`, by tiles of
