@@ -1,14 +1,20 @@
-"""Routed-expert weights from their CPU formats (int8, int4 with group scales) to bf16 on the GPU, in Triton.
+"""Routed experts on the GPU, in Triton: their weights from the CPU formats (int8, int4 with group scales) to bf16,
+and SwiGLU with the down projection's inputs rounded as the CPU's int8 activations round them.
 
 For long prefill chunks the experts stream to the GPU and run there as bf16 matmuls instead of on the
 CPU cores: each expert's packed weights cross once, are dequantised here, and feed torch's matmul. The
-reference is `glm5_offload.formats.int_groups.dequantize` (the same layouts: int4 byte j of a group holds
-input j in its low nibble and input j + G/2 in its high one).
+references are `glm5_offload.formats.int_groups.dequantize` (the same layouts: int4 byte j of a group holds
+input j in its low nibble and input j + G/2 in its high one), `glm5_offload.model.swiglu` and
+`int_groups.quantize_activations`.
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
+
+from . import INTERPRET
 
 
 @triton.jit
@@ -46,7 +52,46 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: str, group: int,
     rows = values.shape[0]
     cols = values.shape[1] * (2 if fmt == "int4" else 1)
     out = torch.empty(rows, cols, dtype=dtype, device=values.device) if out is None else out
-    block_r = 32
+    block_r = 256 if INTERPRET else 32  # the interpreter's cost is per program
     _dequantize_kernel[(triton.cdiv(rows, block_r), cols // group)](
         values, scales, out, rows, cols, GROUP=group, INT4=fmt == "int4", BLOCK_R=block_r)
+    return out
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, out_ptr, T, inter, limit, G: tl.constexpr, BLOCK_T: tl.constexpr, LIMIT: tl.constexpr,
+                   QUANT: tl.constexpr):
+    # gu [T, 2 inter] = [gate | up] -> out [T, inter] = silu(gate) * up, in fp32 (LIMIT: gate <= limit and
+    # |up| <= limit first); QUANT: each group of G outputs rounded to multiples of its amax / 127, IEEE divisions and
+    # ties to even (int_groups.quantize_activations); one program: BLOCK_T rows x one group
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.program_id(1) * G + tl.arange(0, G)
+    ok = (t < T)[:, None]
+    row = gu_ptr + t.to(tl.int64)[:, None] * (2 * inter) + j[None, :]
+    gate = tl.load(row, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(row + inter, mask=ok, other=0.0).to(tl.float32)
+    if LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up
+    if QUANT:
+        scale = tl.div_rn(tl.max(tl.abs(act), axis=1), 127.0)[:, None]
+        steps = tl.div_rn(act, tl.where(scale > 0, scale, 1.0))
+        steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |steps| <= 127 to an integer, ties to even
+        act = tl.where(scale > 0, steps, 0.0) * scale
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * inter + j[None, :], act.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def swiglu(gu: torch.Tensor, limit: float | None, group: int, quantize: bool) -> torch.Tensor:
+    """gu [T, 2I] (gate | up, on one device) -> [T, I] of gu's dtype: silu(gate) * up, clamped by limit (GLM-5.3-Flash's
+    swiglu_limit) where given; quantize: each group of `group` values rounded as int8 activations are (what the CPU
+    experts' down projection takes with `activations: int8`)."""
+    T, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
+    width = group if quantize else math.gcd(inter, 128)  # a program's columns: a group, or any power of two dividing I
+    if T:
+        block_t = 64 if INTERPRET else 4
+        _swiglu_kernel[(triton.cdiv(T, block_t), inter // width)](
+            gu.contiguous(), out, T, inter, 0.0 if limit is None else float(limit), G=width, BLOCK_T=block_t,
+            LIMIT=limit is not None, QUANT=quantize)
     return out

@@ -1,10 +1,12 @@
-"""The GPU dequantisation of expert weights against int_groups.dequantize (interpreter on the CPU)."""
+"""The routed experts' GPU kernels against their references (interpreter on the CPU): dequantisation against
+int_groups.dequantize, SwiGLU against model.swiglu and int_groups.quantize_activations."""
 
 import pytest
 import torch
 
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import experts_triton
+from glm5_offload.model import swiglu
 
 from conftest import assert_bf16_of
 
@@ -24,3 +26,31 @@ def test_dequantize_equals_the_reference(fmt, group):
                                              torch.from_numpy(scales[0]).to(DEVICE), fmt, group), want)
     with pytest.raises(ValueError, match="int8 or int4"):
         experts_triton.dequantize(torch.from_numpy(values[0]), torch.from_numpy(scales[0]), "bf16", group)
+
+
+
+@pytest.mark.parametrize("limit", [None, 2.0])
+@pytest.mark.parametrize("group, quantize", [(32, True), (128, True), (32, False)])
+def test_swiglu_equals_the_reference(group, quantize, limit):
+    """The GPU path's SwiGLU (and, with int8 activations, the down projection's inputs rounded as the CPU rounds
+    them) against swiglu then int_groups.quantize_activations: 75 rows (a partial block), one group all zeros (scale
+    0), up values of 1e30 in another (huge, finite products). Every value to exp's rounding in fp32, to one bf16 step in
+    bf16 (computed in fp32 from the bf16 inputs, rounded once); where that rounding moves a value across a tie of the
+    int8 rounding, one int8 step (amax / 127) at a few values (0.1% at most)."""
+    g = torch.Generator().manual_seed(group + int(quantize))
+    gu = torch.randn(75, 2 * 256, generator=g) * 3
+    gu[5, :group] = 0.0  # gate 0: silu 0, a group of zeros
+    gu[9, 256 : 256 + group] = 1e30
+    for dtype, close, share in ((torch.float32, 1e-5, 0.999 if quantize else 1.0), (torch.bfloat16, 2**-7, 0.999)):
+        x = gu.to(dtype)
+        want = swiglu(x[:, :256].float(), x[:, 256:].float(), limit)
+        step = 0.0
+        if quantize:
+            want = int_groups.quantize_activations(want, group)
+            step = want.abs().reshape(75, -1, group).amax(-1, keepdim=True).expand(-1, -1, group).reshape(75, 256) / 127
+        got = experts_triton.swiglu(x.to(DEVICE), limit, group, quantize).cpu()
+        assert got.shape == want.shape and got.dtype == dtype and torch.isfinite(got).all()
+        assert torch.equal(got[5, :group].float(), torch.zeros(group))
+        error, rounding = (got.float() - want).abs(), close * want.abs() + 1e-30
+        assert (error <= rounding).float().mean() >= share
+        assert (error <= rounding + step * 1.001).all()

@@ -27,9 +27,9 @@ from torch import nn
 
 from ..disk_store import DiskStore
 from ..errors import Glm5Error
-from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
+from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize, quantize_activations
 from ..kernels import experts_triton, moe_cpu
-from ..model import Experts, swiglu
+from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
 from .base import Buffer, BuildContext, PlanContext, Slot
 from .expert_ring import DEPTH, ExpertRing
@@ -236,6 +236,9 @@ class NumbaExperts(nn.Module):
         wanted = chain(range(ahead), (e for e in range(ahead, n_experts) if routed(e)))
 
         with span("experts", x.device):
+            # int8 activations: both projections take the values the CPU's int8 inputs stand for, so the chunk's sum
+            # does not depend on which experts ran where (a split chunk, CPU decode), up to the dtype's rounding
+            xq = quantize_activations(x, self.group).to(x.dtype) if self.act_int8 else x
             order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
             rows, pair_weights = order // k, weights.flatten()[order, None].float()  # [P], [P, 1]
             timer = speeds.timer(x.device) if speeds else None
@@ -246,8 +249,8 @@ class NumbaExperts(nn.Module):
                 if not routed(e):  # one of the first few, not routed to
                     continue
                 a, b = starts[e], starts[e + 1]
-                gu = x[rows[a:b]] @ self._matrix(packed, "w13", w13).T
-                act = swiglu(gu[:, :inter], gu[:, inter:], self.limit)
+                gu = xq[rows[a:b]] @ self._matrix(packed, "w13", w13).T
+                act = experts_triton.swiglu(gu, self.limit, self.group, self.act_int8)
                 y = act @ self._matrix(packed, "w2", w2).T
                 out.index_add_(0, rows[a:b], pair_weights[a:b] * y)
             if speeds:
