@@ -18,6 +18,9 @@ against the H2D ceiling (the layer's bytes at the pinned copy speed) and the lay
         [--chunks 64,256,1024,4096] [--folder /tmp]
     PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py --sequence [--tokens 65536] [--rings 8,256]
         [--attention-ms 0,100,300]
+    PYTHONPATH=.:bench python3 bench/bench_prefill_experts.py --stager [--calls 200]
+
+With --stager, attention's time while a layer streams (stager()): the host's share the stream takes.
 """
 
 import argparse
@@ -34,6 +37,8 @@ from safetensors.numpy import save_file
 from torch.profiler import ProfilerActivity, profile
 
 from glm5_offload.checkpoint import memory_map, read_into_memory
+from glm5_offload.formats.kv_rows import quantize_keys
+from glm5_offload.kernels import dsa_triton
 from glm5_offload.ops.expert_ring import ExpertRing
 from glm5_offload.ops.experts_numba import NumbaExperts, chain_layers
 
@@ -71,6 +76,8 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true",
                         help="also profile the GPU path on the last chunk (torch.profiler: host and GPU time per op)")
     parser.add_argument("--sequence", action="store_true", help="measure the next layer's prefetch (see above)")
+    parser.add_argument("--stager", action="store_true", help="attention's time beside the stream (see stager())")
+    parser.add_argument("--calls", type=int, default=200, help="with --stager: the indexer stand-in's calls")
     parser.add_argument("--trace", help="with --sequence --profile: the profiled sequence's Chrome trace, written here")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=65536)
@@ -84,6 +91,8 @@ def main(argv=None):
     arrays = stored_layer(args)
     if args.sequence:
         return sequence(arrays, args)
+    if args.stager:
+        return stager(arrays, args)
     v13, s13, v2, s2 = (arrays[n] for n in ("w13", "s13", "w2", "s2"))
     act_int8 = args.activations == "int8"
     experts = NumbaExperts(arrays, args.format, args.group, args.threads, act_int8, split_tokens=None)
@@ -239,6 +248,58 @@ def sequence(arrays: dict, args) -> list[dict]:
         print(f"| {on['ring']} | {on['attention_ms']:.0f} | {off['exposed_experts_ms']:.1f} | "
               f"{on['exposed_experts_ms']:.1f} | {off['exposed_experts_ms'] - on['exposed_experts_ms']:.1f} ms | "
               f"{on['exposed_experts_ms'] / ceiling_ms:.2f}x |")
+    return rows
+
+
+def stager(arrays: dict, args) -> list[dict]:
+    """The host's share the GPU stream of a layer's experts takes while attention runs (issue 20): a 1M prefill's
+    indexer stand-in (--calls calls of 128 queries x 2^18 FP8 keys, each its scores kernel, the queries' FP8
+    quantisation and a top-2048: many launches, ~0.9 ms of GPU each on the H200) timed alone and while the whole
+    layer streams into a ring that holds it, either as DMAs from the page-locked experts (queued by this thread
+    first, the default) or copied through pinned buffers by the ring's staging thread (`pin_experts: false`)."""
+    device = torch.device("cuda", 0)
+    keys, scales = quantize_keys(torch.randn(1 << 18, 128, device=device))
+    q = torch.randn(128, 32, 128, device=device, dtype=torch.bfloat16)
+    w, pos = torch.randn(128, 32, device=device), torch.arange((1 << 18) - 128, 1 << 18, device=device)
+    x = torch.randn(64, HIDDEN, device=device, dtype=torch.bfloat16)
+    ids = torch.rand(64, EXPERTS, device=device).argsort(dim=1)[:, :TOP_K].contiguous()
+    gates = torch.rand(64, TOP_K, device=device)
+
+    def attention():
+        for _ in range(args.calls):
+            dsa_triton.indexer_scores(q, keys, w, pos, key_scales=scales).topk(2048, dim=-1)
+
+    attention()
+    rows = []
+    for mode in ("alone", "page-locked DMAs", "staging thread", "alone", "page-locked DMAs", "staging thread"):
+        layer = NumbaExperts(arrays, args.format, args.group, None, gpu_tokens=1, gpu_ring=EXPERTS,
+                             pin=mode != "staging thread", split_tokens=None)
+        layer.on_device(x, ids, gates)  # the ring's buffers allocated, the page-locking done
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if mode != "alone":
+            layer.prefetch(device)
+        queued = time.perf_counter() - t0
+        attention()
+        torch.cuda.current_stream().synchronize()
+        attention_ms = (time.perf_counter() - t0 - queued) * 1e3
+        ring = ExpertRing.on(device, layer._packed(), EXPERTS, layer.pin)
+        staged = sum(f.done() for *_, f in ring.queue)
+        layer.on_device(x, ids, gates)  # takes what was prefetched
+        torch.cuda.synchronize()
+        streamed_ms = (time.perf_counter() - t0) * 1e3
+        row = {"mode": mode, "attention_ms": attention_ms, "queued_ms": queued * 1e3,
+               "staged_by_attention_end": staged, "attention_and_layer_ms": streamed_ms}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    alone = min(r["attention_ms"] for r in rows if r["mode"] == "alone")
+    print(f"\nindexer stand-in, {args.calls} calls (128 x 2^18 FP8 keys, top-2048) with a {args.preset} layer "
+          f"({EXPERTS} experts) streaming into a ring that holds it; {torch.get_num_threads()} torch threads")
+    print("| mode | attention ms | x alone | experts queued before it (ms) | staged by its end | then the layer, ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['mode']} | {r['attention_ms']:.1f} | {r['attention_ms'] / alone:.2f} | {r['queued_ms']:.1f} | "
+              f"{r['staged_by_attention_end'] if r['mode'] != 'alone' else '-'} | {r['attention_and_layer_ms']:.1f} |")
     return rows
 
 

@@ -301,7 +301,7 @@ def test_a_split_chunk_equals_the_reference(fmt, group, act_int8, limit, monkeyp
     plans = []
     plan = experts_numba.SplitSpeeds.plan
     monkeypatch.setattr(experts_numba.SplitSpeeds, "plan", lambda self, *a: plans.append(plan(self, *a)) or plans[-1])
-    speeds = experts_numba.split_speeds(layer, torch.device(DEVICE))
+    speeds = experts_numba.split_speeds(layer, torch.empty(0, device=DEVICE).device)  # cuda:0, as x's, not cuda
     speeds.cpu_pairs_s, speeds.gpu_experts_s = 100.0, 100.0 / 4  # a pair on the CPU costs a quarter of an expert
     g = torch.Generator().manual_seed(12)
     ids = check_on_device((layer, w13, w2), 16, 4, g)
