@@ -1,5 +1,6 @@
 """Routed experts on the GPU, in Triton: their weights from the CPU formats (int8, int4 with group scales) to bf16,
-and SwiGLU with the down projection's inputs rounded as the CPU's int8 activations round them.
+and the inputs of both projections rounded as the CPU's int8 activations round them (the down projection's in
+SwiGLU's kernel).
 
 For long prefill chunks the experts stream to the GPU and run there as bf16 matmuls instead of on the
 CPU cores: each expert's packed weights cross once, are dequantised here, and feed torch's matmul. The
@@ -59,11 +60,42 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, fmt: str, group: int,
 
 
 @triton.jit
+def _int8_steps(v):
+    # v [BLOCK_T, G] fp32 -> each row rounded to multiples of its amax / 127, IEEE divisions and ties to even
+    # (int_groups.quantize_activations: the values the CPU experts' int8 inputs stand for)
+    scale = tl.div_rn(tl.max(tl.abs(v), axis=1), 127.0)
+    scale = tl.where(tl.max((v != v).to(tl.int32), axis=1) > 0, float("nan"), scale)[:, None]  # a NaN's, as amax's
+    steps = tl.div_rn(v, tl.where(scale > 0, scale, 1.0))
+    steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |steps| <= 127 to an integer, ties to even
+    return tl.where(scale > 0, steps, 0.0) * scale
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, T, K, G: tl.constexpr, BLOCK_T: tl.constexpr):
+    # x [T, K] -> out [T, K]: each group of G inputs of a row by _int8_steps; one program: BLOCK_T rows x one group
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    at = t.to(tl.int64)[:, None] * K + tl.program_id(1) * G + tl.arange(0, G)[None, :]
+    ok = (t < T)[:, None]
+    v = _int8_steps(tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32))
+    tl.store(out_ptr + at, v.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def round_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [T, K] (on one device) -> [T, K] of x's dtype: each group of `group` inputs rounded as the CPU experts' int8
+    activations are (reference: int_groups.quantize_activations), in one pass."""
+    T, K = x.shape
+    out = torch.empty_like(x)
+    if T:
+        block_t = 64 if INTERPRET else 4
+        _round_kernel[(triton.cdiv(T, block_t), K // group)](x.contiguous(), out, T, K, G=group, BLOCK_T=block_t)
+    return out
+
+
+@triton.jit
 def _swiglu_kernel(gu_ptr, out_ptr, T, inter, limit, G: tl.constexpr, BLOCK_T: tl.constexpr, LIMIT: tl.constexpr,
                    QUANT: tl.constexpr):
     # gu [T, 2 inter] = [gate | up] -> out [T, inter] = silu(gate) * up, in fp32 (LIMIT: gate <= limit and
-    # |up| <= limit first); QUANT: each group of G outputs rounded to multiples of its amax / 127, IEEE divisions and
-    # ties to even (int_groups.quantize_activations); one program: BLOCK_T rows x one group
+    # |up| <= limit first); QUANT: each group of G outputs by _int8_steps; one program: BLOCK_T rows x G columns
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.program_id(1) * G + tl.arange(0, G)
     ok = (t < T)[:, None]
@@ -75,17 +107,14 @@ def _swiglu_kernel(gu_ptr, out_ptr, T, inter, limit, G: tl.constexpr, BLOCK_T: t
         up = tl.minimum(tl.maximum(up, -limit), limit)
     act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up
     if QUANT:
-        scale = tl.div_rn(tl.max(tl.abs(act), axis=1), 127.0)[:, None]
-        steps = tl.div_rn(act, tl.where(scale > 0, scale, 1.0))
-        steps = (steps + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |steps| <= 127 to an integer, ties to even
-        act = tl.where(scale > 0, steps, 0.0) * scale
+        act = _int8_steps(act)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * inter + j[None, :], act.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def swiglu(gu: torch.Tensor, limit: float | None, group: int, quantize: bool) -> torch.Tensor:
-    """gu [T, 2I] (gate | up, on one device) -> [T, I] of gu's dtype: silu(gate) * up, clamped by limit (GLM-5.3-Flash's
-    swiglu_limit) where given; quantize: each group of `group` values rounded as int8 activations are (what the CPU
-    experts' down projection takes with `activations: int8`)."""
+    """gu [T, 2I] (gate | up, on one device) -> [T, I] of gu's dtype: silu(gate) * up, clamped by limit
+    (GLM-5.3-Flash's swiglu_limit) where given; quantize: each group of `group` values rounded as int8 activations
+    are (what the CPU experts' down projection takes with `activations: int8`)."""
     T, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
     width = group if quantize else math.gcd(inter, 128)  # a program's columns: a group, or any power of two dividing I

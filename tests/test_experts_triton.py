@@ -54,3 +54,22 @@ def test_swiglu_equals_the_reference(group, quantize, limit):
         error, rounding = (got.float() - want).abs(), close * want.abs() + 1e-30
         assert (error <= rounding).float().mean() >= share
         assert (error <= rounding + step * 1.001).all()
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_rounded_activations_equal_the_reference(group):
+    """The GPU path's rounding of a chunk's inputs against int_groups.quantize_activations: 70 rows (a partial block),
+    a group of zeros, one of 1e30 and one with a NaN (its group's values NaN, as the reference's); fp32 bit for bit,
+    bf16 within a bf16 step (the interpreter rounds toward zero)."""
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(group)) * 4
+    x[3, :group], x[7, group : 2 * group], x[11, 5] = 0.0, 1e30, float("nan")
+    want = int_groups.quantize_activations(x, group)
+    got = experts_triton.round_activations(x.to(DEVICE), group).cpu()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got.isnan().sum() == group and torch.equal(got[3, :group], torch.zeros(group))
+    x16 = x.bfloat16()
+    got16 = experts_triton.round_activations(x16.to(DEVICE), group).cpu()
+    want16 = int_groups.quantize_activations(x16.float(), group)
+    assert got16.dtype == torch.bfloat16 and torch.equal(got16.isnan(), want16.isnan())
+    ok = want16.isfinite()
+    assert ((got16.float() - want16).abs()[ok] <= want16.abs()[ok] * 2**-7).all()

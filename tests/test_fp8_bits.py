@@ -113,6 +113,8 @@ KERNELS = [
      dict(L=512, R=64, RB=64, G=128, BLOCK_T=4, PE_ROUND=False, FP8_MAX=448.0)),
     (e._dequantize_kernel, {"values_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
                             "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
+    (e._round_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "K": "i32", **K("G BLOCK_T")},
+     dict(G=128, BLOCK_T=4)),
     (e._swiglu_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "inter": "i32", "limit": "fp32",
                         **K("G BLOCK_T LIMIT QUANT")}, dict(G=128, BLOCK_T=4, LIMIT=True, QUANT=True)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
@@ -178,4 +180,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "32 kernels" in proc.stdout
+    assert "33 kernels" in proc.stdout

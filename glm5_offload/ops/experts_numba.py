@@ -27,7 +27,7 @@ from torch import nn
 
 from ..disk_store import DiskStore
 from ..errors import Glm5Error
-from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize, quantize_activations
+from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
 from ..kernels import experts_triton, moe_cpu
 from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
@@ -238,7 +238,7 @@ class NumbaExperts(nn.Module):
         with span("experts", x.device):
             # int8 activations: both projections take the values the CPU's int8 inputs stand for, so the chunk's sum
             # does not depend on which experts ran where (a split chunk, CPU decode), up to the dtype's rounding
-            xq = quantize_activations(x, self.group).to(x.dtype) if self.act_int8 else x
+            xq = experts_triton.round_activations(x, self.group) if self.act_int8 else x
             order = ids.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
             rows, pair_weights = order // k, weights.flatten()[order, None].float()  # [P], [P, 1]
             timer = speeds.timer(x.device) if speeds else None
