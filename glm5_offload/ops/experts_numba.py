@@ -10,8 +10,9 @@ queues that copy, the MoE block then queues the shared expert on the GPU, host()
 one synchronisation) and runs the experts on every core while the GPU works, and finish() queues the result's
 copy back. From `gpu_tokens` tokens up (long prefill chunks), the layer runs on the GPU instead: each active
 expert's packed weights stream there (expert_ring.py: a copy stream several experts ahead of the matmuls), are
-dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens; the stored layers' memory
-maps are page-locked for that the first time they stream (`pin_experts`), so each expert is one DMA from them.
+dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens (with `activations: int8`,
+inputs rounded as the CPU's int8 ones: a chunk's sum is the same wherever each expert ran); the stored layers'
+memory is page-locked for that the first time they stream (`pin_experts`), so each expert is one DMA from it.
 """
 
 import time
@@ -340,11 +341,12 @@ def chain_layers(layers: list[NumbaExperts]):
 
 class NumbaExpertsOperator(ExpertsOperator):
     """kwargs: format (bf16 | int8 | int4), group_size (32 | 64 | 128; by default the largest that fits), threads,
-    cache_dir, activations (fp32 | int8), gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring
-    (experts the GPU holds), pin_experts (page-lock the stored experts as they first stream to the GPU: true, the
-    default, or false: staged through pinned buffers by a host thread), split_tokens (GPU chunks of fewer tokens
-    give their lightest experts to the CPU cores at the same time; default 1024, null: never), in_memory (read the
-    stored experts into memory at load: true, the default, or memory-map them: false)."""
+    cache_dir, activations (fp32 | int8: both projections' inputs in int8 groups, wherever the experts run),
+    gpu_tokens (chunks of this many tokens or more run on the GPU), gpu_ring (experts the GPU holds), pin_experts
+    (page-lock the stored experts as they first stream to the GPU: true, the default, or false: staged through
+    pinned buffers by a host thread), split_tokens (GPU chunks of fewer tokens give their lightest experts to the CPU
+    cores at the same time; default 1024, null: never), in_memory (read the stored experts into memory at load: true,
+    the default, or memory-map them: false)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
