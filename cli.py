@@ -383,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="glm5: %(message)s", stream=sys.stderr)
+    # the engine's own messages from INFO up; other libraries' from WARNING (torch logs cache statistics at INFO as
+    # a process exits, which a Ctrl-C during its import would print after "interrupted")
+    logging.basicConfig(level=logging.WARNING, format="glm5: %(message)s", stream=sys.stderr)
+    logging.getLogger("glm5_offload").setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
