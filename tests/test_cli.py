@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,9 +287,13 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path):
 
     env = cli_env({"XDG_CACHE_HOME": str(tmp_path)})
     glm5("make-tiny", tmp_path / "glm5-offload" / "tiny-glm5", env={"XDG_CACHE_HOME": str(tmp_path)})
-    proc = subprocess.Popen([sys.executable, "-m", "glm5_offload.cli", "generate", "--prompt-ids", "5,6",
-                             "--max-new-tokens", "4000", "--ignore-eos"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    # the installed command, as users press Ctrl-C in it; under `python -m` CPython itself at times ends by SIGINT
+    # (returncode -2) after main has printed the one line and returned 130, when the interrupt lands in the first
+    # imports of a loaded machine (seen on the 2-core box, session 22; the cause inside CPython not established)
+    script = Path(sys.executable).parent / "glm5"
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "glm5_offload.cli"]
+    proc = subprocess.Popen([*command, "generate", "--prompt-ids", "5,6", "--max-new-tokens", "4000", "--ignore-eos"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     time.sleep(8)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
