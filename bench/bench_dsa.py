@@ -141,7 +141,7 @@ def mla_prefill_sweep() -> dict:
     flops = 2 * S * H * TOPK * (L + R + L)
     timings = {}
     for block_h in (32, 64):
-        for block_k in (32, 64):
+        for block_k in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (1, 2, 3):
                     try:
@@ -150,9 +150,12 @@ def mla_prefill_sweep() -> dict:
                             num_warps=warps, num_stages=stages), iters=5)
                     except triton.runtime.errors.OutOfResources:
                         continue
-                    timings[f"block_h={block_h},block_k={block_k},warps={warps},stages={stages}"] = flops / ms / 1e9
+                    key = f"block_h={block_h},block_k={block_k},warps={warps},stages={stages}"
+                    timings[key] = flops / ms / 1e9
+                    print(f"{key}: {timings[key]:.0f} TFLOP/s", file=sys.stderr, flush=True)
     best = max(timings, key=timings.get)
-    out["sparse_mla_prefill"] = {"best": best, "tflops": timings[best]}
+    out["sparse_mla_prefill"] = {"best": best, "tflops": timings[best],
+                                 "top": sorted(timings.items(), key=lambda kv: -kv[1])[:8]}
     return out
 
 
@@ -307,7 +310,11 @@ if __name__ == "__main__":
             print(f"| {name} | {value} |")
         sys.exit(0)
     if "--mla-prefill-sweep" in sys.argv:
-        print(json.dumps(mla_prefill_sweep()))
+        mm = ceilings.bf16_matmul_tflops()
+        best = mla_prefill_sweep()["sparse_mla_prefill"]
+        print(json.dumps({"bf16_matmul_tflops": mm, **best}))
+        print(f"sparse MLA prefill, best: {best['tflops']:.0f} TFLOP/s = {best['tflops'] / mm:.0%} of bf16 matmul "
+              f"{mm:.0f} ({best['best']})")
         sys.exit(0)
     if "--mla-prefill-fp8" in sys.argv:
         for name, value in mla_prefill_fp8()[1]:

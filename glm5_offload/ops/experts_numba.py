@@ -278,9 +278,12 @@ class NumbaExperts(nn.Module):
                   device: torch.device, speeds: "SplitSpeeds") -> torch.Tensor:
         """On the CPU-half thread: the routed output of `experts` (their `pairs` (token, expert) pairs) alone
         ([T, H] fp32, pinned for a GPU), timed.
-        One core fewer than the layer's threads: the caller's thread queues the GPU's half meanwhile."""
+        Two cores fewer than the layer's threads: one for the caller's thread, which queues the GPU's half meanwhile,
+        one spare. With only the caller's left (15 of 16 on the H200 machine), a GLM-5 layer's 512-token split took
+        84-123 ms, its halves waiting on whichever thread was preempted; with 14, 73-89 ms (bench_prefill_experts.py
+        --split-runs)."""
         t0 = time.perf_counter()
-        threads = max(1, (self.threads or numba.config.NUMBA_NUM_THREADS) - 1)
+        threads = max(1, (self.threads or numba.config.NUMBA_NUM_THREADS) - 2)
         result = torch.from_numpy(moe_cpu.moe_forward(
             self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x.numpy(), ids.numpy(), weights.numpy(),
             threads=threads, act_int8=self.act_int8, limit=self.limit, only=np.array(experts, np.int64)))
