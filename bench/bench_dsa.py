@@ -1,14 +1,16 @@
 """DSA kernels on the GPU at GLM-5's dims, each figure beside the ceiling measured in the same run and
 beside the plain-torch reference (glm5_offload/model/mla.py).
 
-    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep | --indexer-call-1m]
+    PYTHONPATH=.:bench python3 bench/bench_dsa.py [--sweep | --mla-prefill-fp8 | --mla-prefill-sweep |
+        --mla-prefill-rows | --indexer-call-1m]
 
 Decode kernels take microseconds, less than Python's launch of them: they are timed eagerly and replayed
 from a CUDA graph (the GPU's own time; the engine's decode is to run from graphs). --sweep also times
 each kernel over block shapes (the defaults in kernels/dsa_triton.py come from such a sweep).
 --mla-prefill-fp8 times only sparse MLA prefill over FP8 rows, converted in the kernel or all first;
 --indexer-call-1m only one prefill call of the indexer at 1M keys, its scores beside their top-k (torch.topk, the
-radix select, topk_sampled and its parts); --mla-prefill-sweep only sparse MLA prefill's block sweep.
+radix select, topk_sampled and its parts); --mla-prefill-sweep only sparse MLA prefill's block sweep;
+--mla-prefill-rows sparse MLA prefill over latents from L2-resident to 1M rows and three kinds of selections.
 """
 
 import json
@@ -157,6 +159,30 @@ def mla_prefill_sweep() -> dict:
     out["sparse_mla_prefill"] = {"best": best, "tflops": timings[best],
                                  "top": sorted(timings.items(), key=lambda kv: -kv[1])[:8]}
     return out
+
+
+def mla_prefill_rows():
+    """Sparse MLA prefill (2048 queries, the shipped tile and 4 warps x 32 heads) over latents of 4096 rows (in L2)
+    to 1M, each query's top-2048 random, sorted, or drawn by groups of 64 queries from a shared pool of 8192 rows
+    (neighbours selecting alike): how much of the time is the rows' gather."""
+    mm = ceilings.bf16_matmul_tflops()
+    S = 2048
+    flops = 2 * S * H * TOPK * (L + R + L)
+    print(f"bf16 matmul {mm:.0f} TFLOP/s\n| rows | indices | 8 warps x 64 heads | 4 warps x 32 heads |\n| --- | --- | --- | --- |")
+    q_lat, q_pe, _, _ = mla_inputs(S, TOPK)
+    for T in (4096, 16384, 65536, 131072, 1048576):
+        latent = torch.randn(T, L + R, device="cuda", dtype=torch.bfloat16)
+        indices = torch.stack([torch.randperm(T, device="cuda")[:TOPK] for _ in range(S)])
+        cases = {"random": indices, "sorted": indices.sort(1).values}
+        if T > 8192:
+            pools = torch.stack([torch.randperm(T, device="cuda")[:8192] for _ in range(S // 64)])
+            pick = torch.stack([torch.randperm(8192, device="cuda")[:TOPK] for _ in range(S)])
+            cases["pooled"] = pools.repeat_interleave(64, 0).gather(1, pick)
+        for name, ind in cases.items():
+            tflops = [flops / ceilings.time_ms(lambda: dsa_triton.sparse_mla(
+                q_lat, q_pe, latent, ind, L, 0.06, block_h=block_h, num_warps=warps), iters=5) / 1e9
+                for warps, block_h in ((8, 64), (4, 32))]
+            print(f"| {T} | {name} | {tflops[0]:.0f} TFLOP/s | {tflops[1]:.0f} TFLOP/s |", flush=True)
 
 
 def indexer_prefill_fp8(table: list, mm: float) -> dict:
@@ -315,6 +341,9 @@ if __name__ == "__main__":
         print(json.dumps({"bf16_matmul_tflops": mm, **best}))
         print(f"sparse MLA prefill, best: {best['tflops']:.0f} TFLOP/s = {best['tflops'] / mm:.0%} of bf16 matmul "
               f"{mm:.0f} ({best['best']})")
+        sys.exit(0)
+    if "--mla-prefill-rows" in sys.argv:
+        mla_prefill_rows()
         sys.exit(0)
     if "--mla-prefill-fp8" in sys.argv:
         for name, value in mla_prefill_fp8()[1]:
