@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+import pytest
+
 from conftest import cli_env
 
 STATS = re.compile(r"\[prefill (\d+) tok at [\d.]+ tok/s · decode (\d+) tok at [\d.]+ tok/s · context (\d+)/(\d+)\]")
@@ -16,13 +18,16 @@ STATS = re.compile(r"\[prefill (\d+) tok at [\d.]+ tok/s · decode (\d+) tok at 
 
 class Terminal:
     """A child process on a pty: type into it, wait for what it prints."""
+    started: list["Terminal"] = []  # killed when the test ends (no_chat_left)
 
     def __init__(self, *args, env=None):
         self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child
+        if self.pid == 0:  # the child: Ctrl-C as at a shell's prompt, even where this suite runs with it ignored
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a background job of a non-interactive shell)
             os.execvpe(sys.executable, [sys.executable, "-m", "glm5_offload.cli", *map(str, args)],
                        cli_env({**(env or {}), "TERM": "dumb"}))
         self.output = ""
+        Terminal.started.append(self)
 
     def expect(self, pattern, timeout=120.0):
         """Read until pattern matches the output after what was already consumed; return the match."""
@@ -60,6 +65,8 @@ class Terminal:
         while time.monotonic() < deadline:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
+                Terminal.started.remove(self)  # reaped: its pid may be another process's by the test's end
+                os.close(self.fd)
                 return os.waitstatus_to_exitcode(status)
             if select.select([self.fd], [], [], 0.1)[0]:
                 try:
@@ -68,6 +75,17 @@ class Terminal:
                     time.sleep(0.05)
         os.kill(self.pid, signal.SIGKILL)
         raise AssertionError("the chat did not exit")
+
+
+@pytest.fixture(autouse=True)
+def no_chat_left():
+    """A test that fails mid-reply leaves its chat generating (3000 tokens: a core for the rest of the suite)."""
+    yield
+    while Terminal.started:
+        term = Terminal.started.pop()
+        os.kill(term.pid, signal.SIGKILL)
+        os.waitpid(term.pid, 0)
+        os.close(term.fd)
 
 
 def suffix_tokens(tiny_dir, text):

@@ -293,8 +293,12 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path):
     script = Path(sys.executable).parent / "glm5"
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "glm5_offload.cli"]
     proc = subprocess.Popen([*command, "generate", "--prompt-ids", "5,6", "--max-new-tokens", "4000", "--ignore-eos"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    time.sleep(8)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a shell's command
+    try:
+        time.sleep(8)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a no-op once it has exited
     assert proc.returncode == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "glm5: interrupted"
