@@ -38,7 +38,8 @@ from .reference import ExpertsOperator
 
 STORE_VERSION = 2
 # GPU chunks below this many tokens split their experts with the CPU: on the H200 machine a GLM-5 layer split took
-# 0.52-0.78x the faster side's time at 64-512 tokens, 1.07-2.5x at 1024-8192 (bench_prefill_experts.py)
+# 0.52-0.78x the faster side's time at 64-512 tokens, 1.07-2.5x at 1024-8192 (bench_prefill_experts.py); with the
+# CPU half two cores short (session 23) 0.75-0.88x at 256-512, 0.60-0.90x at 1024, 0.96x at 2048, 1.82x at 4096
 SPLIT_TOKENS = 1024
 _pinned: dict[tuple, torch.Tensor] = {}
 _cpu_half = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu-half")  # a split chunk's CPU half (numba frees the GIL)
