@@ -281,8 +281,8 @@ class NumbaExperts(nn.Module):
         ([T, H] fp32, pinned for a GPU), timed.
         Two cores fewer than the layer's threads: one for the caller's thread, which queues the GPU's half meanwhile,
         one spare. With only the caller's left (15 of 16 on the H200 machine), a GLM-5 layer's 512-token split took
-        84-123 ms, its halves waiting on whichever thread was preempted; with 14, 73-89 ms (bench_prefill_experts.py
-        --split-runs)."""
+        a median 97.8-110.5 ms, its halves waiting on whichever thread was preempted; with 14 or 12, 74.6-74.8 ms
+        (bench_prefill_experts.py --split-runs 7, one call)."""
         t0 = time.perf_counter()
         threads = max(1, (self.threads or numba.config.NUMBA_NUM_THREADS) - 2)
         result = torch.from_numpy(moe_cpu.moe_forward(
