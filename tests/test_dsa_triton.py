@@ -284,9 +284,14 @@ def check_rope_quant(N, D, RD, interleaved):
     cos, sin = angles.cos(), angles.sin()
     roped = torch.cat([apply_rope(k[:, :RD], cos, sin, interleaved), k[:, RD:]], dim=-1)
     want8, want_scale = quantize_keys(roped)
-    out = torch.zeros(N, D, device=DEVICE).to(torch.float8_e4m3fn)
-    scales = torch.full((N,), float("nan"), device=DEVICE)
-    dsa_triton.rope_quantize_keys(k, cos, sin, RD, interleaved, out, scales)
+    rows = torch.randperm(N + 5, generator=g)[:N].to(DEVICE)  # the cache rows the keys go to (the operator's positions)
+    out = torch.zeros(N + 5, D, device=DEVICE).to(torch.float8_e4m3fn)
+    scales = torch.full((N + 5,), float("nan"), device=DEVICE)
+    dsa_triton.rope_quantize_keys(k, cos, sin, RD, interleaved, out, scales, rows=rows)
+    others = torch.ones(N + 5, dtype=torch.bool, device=DEVICE)
+    others[rows] = False
+    assert (out[others].float() == 0).all() and scales[others].isnan().all()  # no other row written
+    out, scales = out[rows], scales[rows]
     assert torch.allclose(scales, want_scale, rtol=1e-6)
     assert rel_err(out.float() * scales[:, None], roped) < 0.05
     got, want = out.float(), want8.float()  # the e4m3 codes themselves

@@ -41,8 +41,10 @@ class TritonIndexer(Indexer):
         return rope_triton.rope(t, cos, sin, self.rope_dim, self.interleaved)
 
     def write_keys(self, k, cos, sin, keys, positions):
-        """FP8 rows: rope and quantisation in one kernel, straight into the cache rows at positions."""
-        if not isinstance(keys, FP8Keys):
+        """FP8 rows: rope and quantisation in one kernel, straight into the cache rows at positions (on a GPU; on the
+        CPU the reference's, as for rope: the interpreter's launch per key cost minutes of the CPU suite, and its e4m3
+        conversion drops a rounding carry that the GPU's and torch's keep; the kernel has its own tests)."""
+        if not isinstance(keys, FP8Keys) or not k.is_cuda:
             return super().write_keys(k, cos, sin, keys, positions)
         dsa_triton.rope_quantize_keys(k, cos, sin, self.rope_dim, self.interleaved, keys.values, keys.scales,
                                       rows=positions)
