@@ -1,6 +1,8 @@
 """A decode step's small GPU pieces on GLM-5's shapes, each kernel beside its reference path and the HBM copy
-bandwidth measured in the same run: the router (router.triton against Router.forward) and absorbed MLA's two
-products with kv_b_proj in FP8 (kernels/mla_absorb.py against the dequantise-and-einsum reference).
+bandwidth measured in the same run: the router (router.triton against Router.forward), absorbed MLA's two
+products with kv_b_proj in FP8 (kernels/mla_absorb.py against the dequantise-and-einsum reference), the indexer's
+top-2048 of one row (topk_triton's one-program select and its passes over many programs, against torch.topk), and
+the tiered latent cache's write and fetch (kernels/hot_rows.py against TieredLatent's torch path).
 
 Per call in a stream, as bench_linear.py's decode figures: one CUDA graph runs the call on many copies of the weights
 so none is in L2 when read again. "of HBM": the weights' bytes read per call over the copy bandwidth.
@@ -15,9 +17,10 @@ from types import SimpleNamespace
 import torch
 
 from glm5_offload.formats import fp8_blocks
-from glm5_offload.kernels import mla_absorb, router_triton
+from glm5_offload.kernels import mla_absorb, router_triton, topk_triton
 from glm5_offload.kernels.linear_triton import fp8_dequantize
-from glm5_offload.model import Router
+from glm5_offload.model import Router, topk_indices
+from glm5_offload.runtime import tiered_kv
 
 import ceilings
 
@@ -68,6 +71,54 @@ def absorbs(rows: int) -> dict:
             **{k: ceilings.stream_ms(v) for k, v in calls.items()}}
 
 
+TOPK, ROW_BYTES, HOT_BYTES, WINDOW = 2048, 656, 8 << 20, 512  # GLM-5 under rules/glm5.yaml
+
+
+def topk_row(T: int) -> dict:
+    """The indexer's top-2048 of one row of T scores (64 rows, one a call)."""
+    rows = [torch.randn(1, T, device="cuda") for _ in range(COPIES)]
+    same = torch.equal(topk_triton.topk_indices(rows[0], TOPK).sort().values, topk_indices(rows[0], TOPK).sort().values)
+    kernel = [lambda r=r: topk_triton.topk_indices(r, TOPK) for r in rows]
+
+    def with_width(width: int) -> float:  # (the calls are captured into the graph while the width is set)
+        shipped, topk_triton.ROW_PROGRAM_WIDTH = topk_triton.ROW_PROGRAM_WIDTH, width
+        try:
+            return ceilings.stream_ms(kernel)
+        finally:
+            topk_triton.ROW_PROGRAM_WIDTH = shipped
+
+    return {"same": same, "reference": ceilings.stream_ms([lambda r=r: topk_indices(r, TOPK) for r in rows]),
+            "one program": with_width(T), "passes": with_width(0)}
+
+
+def tiered_step(context: int) -> dict:
+    """One layer's tiered cache (FP8 rows, 8 MiB hot, window 512) at `context` tokens: a decode step's write of its
+    row and fetch of 2048 random selections, 64 steps' selections in turn. At 4K every row is hot after the first
+    round; at 1M most selections miss (the LRU part holds ~6 steps' worth) and their rows cross PCIe."""
+    g = torch.Generator().manual_seed(context)
+    tier = tiered_kv.TieredLatent(context + 1, ROW_BYTES, torch.uint8, torch.device("cuda"), HOT_BYTES // ROW_BYTES,
+                                  WINDOW)
+    tier.host[:context] = torch.randint(0, 256, (context, ROW_BYTES), dtype=torch.uint8, generator=g)
+    tier.reset(context)
+    position, row = torch.tensor([context], device="cuda"), torch.randint(0, 256, (1, ROW_BYTES), device="cuda",
+                                                                         dtype=torch.uint8)
+    picks = [torch.randperm(context, generator=g)[:TOPK][None].cuda() for _ in range(COPIES)]
+
+    def step(indices):
+        tier.write(position, row)
+        return tier.fetch(indices, position)
+
+    result, shipped = {}, tiered_kv.one_token_kernels
+    try:
+        for name, kernels in (("reference", False), ("kernels", True)):
+            tiered_kv.one_token_kernels = lambda device, use=kernels: use
+            result[name] = ceilings.stream_ms([lambda i=i: step(i) for i in picks])
+    finally:
+        tiered_kv.one_token_kernels = shipped
+    result["misses_per_step"] = int(tier.misses) / max(1, int(tier.hits) + int(tier.misses)) * TOPK
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -83,6 +134,17 @@ def main(argv=None):
                               "of HBM)" for k, ms in figures.items() if k not in ("bytes", "same_ids", "rel_err"))
             check = f"same ids {figures['same_ids']}" if "same_ids" in figures else f"rel err {figures['rel_err']:.1e}"
             print(f"{name:<6} rows {rows}: {parts}; {check}", flush=True)
+    results["topk_row"], results["tiered_step"] = {}, {}
+    for T in (4096, 16384, 32768, 65536, 131072):
+        f = results["topk_row"][T] = topk_row(T)
+        print(f"top-{TOPK} of a row of {T}: torch.topk {f['reference'] * 1e3:.1f} us, passes {f['passes'] * 1e3:.1f} "
+              f"us, one program {f['one program'] * 1e3:.1f} us ({f['reference'] / f['one program']:.2f}x torch); "
+              f"same set {f['same']}", flush=True)
+    for context in (4096, 1 << 20):
+        f = results["tiered_step"][context] = tiered_step(context)
+        print(f"tiered cache at {context} tokens, a decode step's write and fetch: torch {f['reference'] * 1e3:.1f} "
+              f"us, kernels {f['kernels'] * 1e3:.1f} us ({f['reference'] / f['kernels']:.2f}x); "
+              f"{f['misses_per_step']:.0f} misses a step", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -25,6 +25,9 @@ BITS = 8  # a pass's digit
 LEVELS = 32 // BITS
 BLOCK = 4096  # scores a program reads per iteration
 MAX_PROGRAMS = 256  # programs per row
+ROW_PROGRAM_WIDTH = 4096  # rows up to this wide: one program a row does every pass, in one launch (H200, a row's
+# top-2048: 17.9 us against 26.4 for the passes below at 4096 wide; each block more costs it ~4 us a pass: 63 against
+# 27 at 16384, bench/RESULTS.md)
 
 
 @triton.jit
@@ -45,6 +48,15 @@ def _chosen(hist_row, state_row, k, LEVEL: tl.constexpr, BITS: tl.constexpr):
     prefix = tl.load(state_row + 2 * (LEVEL - 1)).to(tl.uint32, bitcast=True)
     remaining = tl.load(state_row + 2 * (LEVEL - 1) + 1)
     h = tl.load(hist_row + (LEVEL - 1) * (1 << BITS) + bins)
+    return _pick_digit(h, prefix, remaining, BITS)
+
+
+@triton.jit
+def _pick_digit(h, prefix, remaining, BITS: tl.constexpr):
+    """From a pass's histogram h [2^BITS] of the next digit of the keys that start with prefix, of which `remaining`
+    are still to be found among the top k: the prefix one digit longer, and how many remain to be found among the
+    keys that start with it."""
+    bins = tl.arange(0, 1 << BITS)
     at_or_above = tl.sum(h) - tl.cumsum(h, 0) + h  # keys in this bin or higher ones
     digit = tl.sum((at_or_above >= remaining).to(tl.int32)) - 1  # the highest bin that reaches the k-th
     return (prefix << BITS) | digit.to(tl.uint32), remaining - tl.sum(tl.where(bins > digit, h, 0))
@@ -147,6 +159,69 @@ def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, skip_ptr, T, k, pe
         equal_before += tl.sum(is_equal.to(tl.int32))
 
 
+@triton.jit
+def _row_keys(ptr, t, ok, step, OLDEST: tl.constexpr, AGES: tl.constexpr):
+    """Keys at positions t of a row (ok: which exist): of fp32 scores (_keys), or (AGES) of int64 stamps their ages
+    step - stamp, clamped at OLDEST (< 2^24: their top byte is 0)."""
+    if AGES:
+        key = tl.minimum(step - tl.load(ptr + t, mask=ok, other=0), OLDEST).to(tl.uint32)
+    else:
+        key = _keys(tl.load(ptr + t, mask=ok, other=0.0))
+    return key
+
+
+@triton.jit
+def _kth_of_row(ptr, T, k, step, OLDEST: tl.constexpr, AGES: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program's radix select over a row of T keys (_row_keys): the k-th largest key, and how many of the keys
+    equal to it are among the top k. 32 / BITS passes over the row (ages: one fewer, their top byte is 0), each
+    BLOCK keys at a time."""
+    prefix = tl.zeros((), tl.uint32)
+    remaining = tl.zeros((), tl.int32) + k
+    for level in tl.static_range(8 // BITS if AGES else 0, 32 // BITS):
+        counts = tl.zeros((1 << BITS,), tl.int32)
+        for first in range(0, T, BLOCK):
+            t = first + tl.arange(0, BLOCK)
+            ok = t < T
+            key = _row_keys(ptr, t, ok, step, OLDEST, AGES)
+            if level > 0:
+                ok = ok & ((key >> (32 - BITS * level)) == prefix)
+            counts += tl.histogram(((key >> (32 - BITS * (level + 1))) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
+                                   mask=ok)
+        prefix, remaining = _pick_digit(counts, prefix, remaining, BITS)
+    return prefix, remaining
+
+
+@triton.jit
+def _write_top_of_row(ptr, T, k, kth, ties, limit, out_ptr, step, OLDEST: tl.constexpr, AGES: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """The positions of the row's top k (_kth_of_row's kth and ties) in topk_indices' order, those of rank < limit:
+    out[rank] (-1 for a -inf score)."""
+    n_above = k - ties
+    above_before = tl.zeros((), tl.int32)
+    equal_before = tl.zeros((), tl.int32)
+    for first in range(0, T, BLOCK):
+        t = first + tl.arange(0, BLOCK)
+        ok = t < T
+        key = _row_keys(ptr, t, ok, step, OLDEST, AGES)
+        value = t.to(tl.int64) if AGES else tl.where(key == 0x007FFFFF, -1, t).to(tl.int64)  # _keys(-inf)
+        is_above = ok & (key > kth)
+        rank = above_before + tl.cumsum(is_above.to(tl.int32), 0) - 1
+        tl.store(out_ptr + rank, value, mask=is_above & (rank < limit))
+        above_before += tl.sum(is_above.to(tl.int32))
+        is_equal = ok & (key == kth)
+        rank = equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
+        tl.store(out_ptr + n_above + rank, value, mask=is_equal & (n_above + rank < limit))  # (limit <= k)
+        equal_before += tl.sum(is_equal.to(tl.int32))
+
+
+@triton.jit
+def _row_topk_kernel(scores_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    # scores [rows, T] fp32 -> out [rows, k] int64: one program a row, the whole select
+    row = tl.program_id(0).to(tl.int64)
+    kth, ties = _kth_of_row(scores_ptr + row * T, T, k, 0, 0, False, BITS, BLOCK)
+    _write_top_of_row(scores_ptr + row * T, T, k, kth, ties, k, out_ptr + row * k, 0, 0, False, BLOCK)
+
+
 def row_split(scores: torch.Tensor, wanted: int) -> tuple[int, int]:
     """(programs a row, scores each reads: whole BLOCKs) for rows of scores [S, T]: about `wanted` programs a row,
     at most MAX_PROGRAMS, at least one BLOCK each."""
@@ -167,6 +242,9 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
     if S == 0 or k == 0:
         return out
     scores = scores.float().contiguous()
+    if skip is None and T <= ROW_PROGRAM_WIDTH:
+        _row_topk_kernel[(S,)](scores, out, T, k, BITS=BITS, BLOCK=BLOCK, num_warps=8)
+        return out
     programs, per_program = row_split(scores, programs_wanted(scores.device) // S)
     hist = torch.zeros(S, LEVELS, 1 << BITS, dtype=torch.int32, device=scores.device)
     state = torch.empty(S, LEVELS + 1, 2, dtype=torch.int32, device=scores.device)

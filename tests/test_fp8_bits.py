@@ -63,7 +63,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_rows as g, linear_triton as l
 from glm5_offload.kernels import mla_absorb as a, rmsnorm_triton as n, rope_triton as p, router_triton as r
-from glm5_offload.kernels import topk_triton as t
+from glm5_offload.kernels import hot_rows as h, topk_triton as t
 
 K = lambda names: {n: "constexpr" for n in names.split()}
 fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16",
@@ -145,6 +145,15 @@ KERNELS = [
     (t._candidates_kernel, {"scores_ptr": "*fp32", "thr_ptr": "*fp32", "count_ptr": "*i32", "cand_ptr": "*i64",
                             "T": "i32", "per_program": "i32", **K("ROWS WIDTH CAP")},
      dict(ROWS=32, WIDTH=128, CAP=16384)),
+    (t._row_topk_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", **K("BITS BLOCK")},
+     dict(BITS=8, BLOCK=4096)),
+    (h._write_one_kernel, {"row_ptr": "*i32", "pos_ptr": "*i64", "host_ptr": "*i32", "hot_ptr": "*i32",
+                           "slot_ptr": "*i32", "W": "i32", **K("WORDS BLOCK")}, dict(WORDS=164, BLOCK=256)),
+    (h._fetch_one_kernel, {"idx_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i32", "token_ptr": "*i64",
+                           "stamp_ptr": "*i64", "step_ptr": "*i64", "hits_ptr": "*i64", "misses_ptr": "*i64",
+                           "victims_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "mapped_ptr": "*i32",
+                           "K": "i32", "W": "i32", "LRU": "i32", **K("OLDEST BITS BLOCK_K BLOCK")},
+     dict(OLDEST=1 << 24, BITS=8, BLOCK_K=2048, BLOCK=4096)),
     (n._rmsnorm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride": "i32",
                          "eps": "fp32", **K("BLOCK X_BF16 OUT_BF16")}, dict(BLOCK=8192, X_BF16=True, OUT_BF16=False)),
     (p._rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
@@ -180,4 +189,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "33 kernels" in proc.stdout
+    assert "36 kernels" in proc.stdout

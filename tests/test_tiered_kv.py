@@ -59,7 +59,7 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
             fresh = picks[~torch.isin(picks, last[:12])]  # distinct, as a top-k's row is
             picks = torch.cat([last[:12], fresh[:4]])
         indices = torch.cat([picks, torch.tensor([-1, -1])])[None].to(DEVICE)
-        tier.fetch(indices, end - 1, end - tier.window)  # the newest token (end - 1) is in the window
+        tier.fetch(indices, torch.tensor([end - 1], device=DEVICE))  # the newest token (end - 1) is in the window
         check_resident(tier, picks.to(DEVICE))
         selected += len(set(picks.tolist()) - {end - 1})
         last = picks
@@ -71,7 +71,7 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     tier.write(torch.arange(200, 203, device=DEVICE), torch.randn(3, 8, generator=g).to(DEVICE))
     assert torch.equal(tier.slot_of[:400].cpu() >= 0, (torch.arange(400) >= 195) & (torch.arange(400) < 203))
     picks = torch.tensor([0, 150, 199, 201]).to(DEVICE)
-    tier.fetch(picks[None], 200, 203 - tier.window)
+    tier.fetch(picks[None], torch.tensor([202], device=DEVICE))
     check_resident(tier, picks)
 
 

@@ -35,12 +35,18 @@ def random_scores(S, T, seed):
     return scores
 
 
+ONE_PROGRAM = {"one program a row": 1 << 15, "passes over many programs": 0}  # topk_triton.ROW_PROGRAM_WIDTH
+
+
+@pytest.mark.parametrize("width", ONE_PROGRAM.values(), ids=ONE_PROGRAM.keys())
 @pytest.mark.parametrize("S, T, k, block", [(3, 5000, 64, 4096), (2, 3000, 700, 256), (4, 200, 300, 64),
                                             (1, 1, 8, 4096)])
-def test_topk_equals_torch(monkeypatch, S, T, k, block):
+def test_topk_equals_torch(monkeypatch, S, T, k, block, width):
     """Every row: torch.topk's set (by values), in the documented order; many programs a row when the block is
-    small (the counts before a program give its offsets); k > T, -inf rows' positions as -1; all ties."""
+    small (the counts before a program give its offsets), or one program looping over the row's blocks; k > T,
+    -inf rows' positions as -1; all ties."""
     monkeypatch.setattr(topk_triton, "BLOCK", block)
+    monkeypatch.setattr(topk_triton, "ROW_PROGRAM_WIDTH", width)
     scores = random_scores(S, T, seed=S * T + k)
     got = topk_triton.topk_indices(scores.to(DEVICE), k).cpu()
     want = topk_indices(scores, k)
@@ -53,7 +59,9 @@ def test_topk_equals_torch(monkeypatch, S, T, k, block):
                                                               float("-inf")).sort(1).values)
 
 
-def test_all_equal_and_all_masked_rows():
+@pytest.mark.parametrize("width", ONE_PROGRAM.values(), ids=ONE_PROGRAM.keys())
+def test_all_equal_and_all_masked_rows(monkeypatch, width):
+    monkeypatch.setattr(topk_triton, "ROW_PROGRAM_WIDTH", width)
     scores = torch.stack([torch.full((700,), 1.5), torch.full((700,), float("-inf"))])
     got = topk_triton.topk_indices(scores.to(DEVICE), 100).cpu()
     assert torch.equal(got[0], torch.arange(100)) and bool((got[1] == -1).all())

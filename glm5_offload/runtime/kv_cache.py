@@ -166,9 +166,9 @@ class KVCache:
         if rows_store.fits_fetch(indices):  # decode: rows from the hot buffer, misses fetched into it
             if layer in self.prefetched:
                 del self.prefetched[layer]
+                yield rows_store.hot, rows_store.slot_of[indices], None
             else:
-                rows_store.fetch(indices, positions[0], positions[-1] + 1 - rows_store.window)
-            yield rows_store.hot, rows_store.slot_of[indices], None
+                yield rows_store.hot, rows_store.fetch(indices, positions), None
             return
         staging = self.staging[rows_store.device, rows_store.host.dtype]
         if end <= staging.shape[0]:
@@ -193,13 +193,12 @@ class KVCache:
         """IndexShare: shared layers reuse a full layer's indices, so their misses can be fetched now, on a side
         stream (CUDA), overlapped with the layers in between (on the current stream while a CUDA graph is captured:
         its pieces run in order anyway)."""
-        below, window_end = positions[0], positions[-1] + 1
         for layer in layers:
             rows_store = self.latent[layer]
             if not isinstance(rows_store, TieredLatent) or not rows_store.fits_fetch(indices):
                 continue
             if rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # a graph: in order
-                rows_store.fetch(indices, below, window_end - rows_store.window)
+                rows_store.fetch(indices, positions)
                 self.prefetched[layer] = None
                 continue
             if rows_store.device not in self.side_streams:
@@ -207,7 +206,7 @@ class KVCache:
             side = self.side_streams[rows_store.device]
             side.wait_stream(torch.cuda.current_stream(rows_store.device))
             with torch.cuda.stream(side):
-                rows_store.fetch(indices, below, window_end - rows_store.window)
+                rows_store.fetch(indices, positions)
                 indices.record_stream(side)
                 positions.record_stream(side)
                 self.prefetched[layer] = side.record_event()

@@ -11,16 +11,17 @@ slot_of[t] is token t's hot slot or -1. Before attention the selected rows that 
 are copied into LRU slots; attention then runs over the hot buffer with indices mapped through
 slot_of, which reads the very same row values as the untiered cache: the outputs are equal.
 On a CUDA device the misses are read straight from pinned host memory by a Triton gather (zero-copy,
-kernels/gather_rows.py); on the CPU both tiers are host tensors and the same logic runs with torch indexing.
+kernels/gather_rows.py), and a decode step's write and fetch (one token) take one kernel each
+(kernels/hot_rows.py); the torch code here serves several tokens at once, and the CPU, where both tiers are host
+tensors.
 """
 
 import torch
 
 from ..errors import Glm5Error
-from ..kernels import topk_triton
+from ..kernels import hot_rows, topk_triton
 from ..kernels.gather_rows import gather_rows
-
-OLDEST = 1 << 24  # ages up to here are exact in fp32 (the radix select's scores); older ones are all "old"
+from ..kernels.hot_rows import OLDEST
 
 
 class TieredLatent:
@@ -59,6 +60,9 @@ class TieredLatent:
         """Rows [S, width] of the consecutive tokens at positions [S] (on the device): to the host tier (written
         from the GPU straight into pinned memory), and the last `window` to the hot one. Tensor work only, no
         host-side position: a CUDA graph can replay it."""
+        if rows.shape[0] == 1 and one_token_kernels(self.device):
+            hot_rows.write_one(rows, positions, self.host, self.hot, self.slot_of, self.window)
+            return
         S, W = rows.shape[0], self.window
         gather_rows(rows, torch.arange(S, device=self.device), self.host, positions)
         leaving = positions - W  # these tokens leave the window (unless since moved to an LRU slot)
@@ -69,10 +73,18 @@ class TieredLatent:
         self.slot_of[torch.where(kept, positions, -1)] = torch.where(kept, positions % W, -1).int()
         self.slot_of[-1:].fill_(-1)  # (scalars are written by kernels: a CUDA graph may capture this)
 
-    def fetch(self, indices: torch.Tensor, below, window_from):
-        """Make the rows of indices [S, K] (< below; -1 = none) hot. Window rows of tokens < window_from count
-        as misses: they leave the window before attention reads them. Needs lru >= 2 S K, and each row's positions
-        distinct (a top-k's). below and window_from are ints or 0-d device tensors."""
+    def fetch(self, indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Make the rows of indices [S, K] (-1 = none), the selections of the queries at positions [S] (consecutive,
+        on the device), hot: those before the queries' own rows, which the window holds. Window rows of tokens that
+        leave the window before attention reads them (< positions[-1] + 1 - window) count as misses. Needs lru >=
+        2 S K, and each row's positions distinct (a top-k's). Returns the hot slot of each selection [S, K] (int32,
+        -1 = none)."""
+        if indices.shape[0] == 1 and one_token_kernels(self.device):
+            src, dst, mapped = hot_rows.fetch_one(indices[0].contiguous(), positions, self.slot_of, self.token_of,
+                                                  self.stamp, self.step, self.hits, self.misses, self.window)
+            gather_rows(self.host, src, self.hot, dst)
+            return mapped[None]
+        below, window_from = positions[0], positions[-1] + 1 - self.window
         t = indices.flatten()
         t = torch.where((t >= 0) & (t < below), t, -1)
         if indices.shape[0] > 1:  # rows of several queries share tokens: each token once (one row needs no sort)
@@ -96,6 +108,7 @@ class TieredLatent:
         gather_rows(self.host, torch.where(miss, t, -1), self.hot, lru_slot + self.window)
         self.hits += hit.sum()
         self.misses += miss.sum()
+        return self.slot_of[indices]
 
     def fits_fetch(self, indices: torch.Tensor) -> bool:
         """Whether the queries of indices [S, K] can read the hot buffer: their misses fit the LRU part twice over, and
@@ -103,11 +116,20 @@ class TieredLatent:
         return 2 * indices.numel() <= self.lru and indices.shape[0] <= self.window
 
 
+def one_token_kernels(device: torch.device) -> bool:
+    """Whether a decode step's write and fetch take kernels/hot_rows.py's kernels (on a GPU)."""
+    return device.type == "cuda"
+
+
 def least_recent(stamp: torch.Tensor, step: torch.Tensor, n: int) -> torch.Tensor:
-    """The n slots of stamp [lru] (the fetch that last used each) used least recently, in any order. On a GPU by the
-    radix select over their ages (torch.topk sorts: 120 us for 2048 of 12K slots on the H200, bench/RESULTS.md);
-    the rows this fetch uses have age 0 and the others >= 1, so they are never chosen while lru >= 2n."""
-    if not stamp.is_cuda:
-        return stamp.topk(n, largest=False).indices
-    age = (step - stamp).clamp(max=OLDEST).float()
-    return topk_triton.topk_indices(age[None], n)[0]
+    """The n slots of stamp [lru] (the fetch that last used each) used least recently, by age (step - stamp, ages
+    past OLDEST all alike), in topk_triton.topk_indices' order: the slots older than the n-th oldest ascending, then
+    those as old ascending (as kernels/hot_rows.py's decode fetch takes them). On a GPU by the radix select (torch.topk
+    sorts: 120 us for 2048 of 12K slots on the H200, bench/RESULTS.md). The rows this fetch uses have age 0 and the
+    others >= 1, so they are never chosen while lru >= 2n."""
+    age = (step - stamp).clamp(max=OLDEST)
+    if stamp.is_cuda:
+        return topk_triton.topk_indices(age.float()[None], n)[0]  # fp32 holds ages up to OLDEST exactly
+    kth = age.topk(n).values[-1]
+    older = (age > kth).nonzero().flatten()
+    return torch.cat([older, (age == kth).nonzero().flatten()[: n - older.numel()]])

@@ -1,0 +1,104 @@
+"""A decode step's bookkeeping of one layer's tiered latent cache (runtime/tiered_kv.py), one kernel each: the new
+token's row written, and the rows its query selected made hot. Torch takes some 20 and 50 small kernels for them (in
+a CUDA graph each costs 1-3 us whatever it does: a third of a GLM-5 layer's GPU time, bench/RESULTS.md); here one
+program does each (a decode step's K = 2048 selections are one block), and the misses' rows are then copied by
+gather_rows.
+
+Reference: TieredLatent's torch path (`write` and `fetch`, which take any number of tokens); the tests hold the kernels
+to it on random cache states, every table equal after each step. The LRU victims are theirs too: the K least recently
+used slots in topk_triton.topk_indices' order, of which the misses take the first, in order.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .topk_triton import BITS, _kth_of_row, _write_top_of_row
+
+OLDEST = (1 << 24) - 1  # ages up to here are told apart (exact in fp32, as the torch path takes them; their top byte
+# is 0: the select skips it); older ones are all "old"
+AGE_BLOCK = 4096  # stamps a pass of the victims' select reads at a time
+
+
+@triton.jit
+def _write_one_kernel(row_ptr, pos_ptr, host_ptr, hot_ptr, slot_ptr, W, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    # row [WORDS] int32 of the token at pos[0] -> host[pos] and hot[pos % W] (rows of WORDS words); slot_of[pos] its
+    # window slot; the token leaving the window (pos - W) loses its window slot (not an LRU slot it has moved to)
+    p = tl.load(pos_ptr)
+    w = tl.arange(0, BLOCK)
+    row = tl.load(row_ptr + w, mask=w < WORDS)
+    tl.store(host_ptr + p * WORDS + w, row, mask=w < WORDS)
+    tl.store(hot_ptr + (p % W) * WORDS + w, row, mask=w < WORDS)
+    leaving = p - W
+    if leaving >= 0:
+        slot = tl.load(slot_ptr + leaving)
+        if (slot >= 0) & (slot < W):
+            tl.store(slot_ptr + leaving, -1)
+    tl.store(slot_ptr + p, (p % W).to(tl.int32))
+
+
+@triton.jit
+def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr, hits_ptr, misses_ptr, victims_ptr,
+                      src_ptr, dst_ptr, mapped_ptr, K, W, LRU, OLDEST: tl.constexpr, BITS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+    # idx [K] int64: the positions the query at pos[0] selected (-1: none); slot_of [max_seq_len + 1] int32,
+    # token_of [LRU + 1] int64, stamp [LRU + 1] int64, step / hits / misses 0-d int64: TieredLatent's tables, updated;
+    # victims [K] int64 scratch; src, dst [K] int64: the host rows to copy into hot slots (src -1: none); mapped [K]
+    # int32: each selection's hot slot (-1: none)
+    i = tl.arange(0, BLOCK_K)
+    index = tl.load(idx_ptr + i, mask=i < K, other=-1)
+    p = tl.load(pos_ptr)
+    t = tl.where((index >= 0) & (index < p), index, -1)  # the query's own row is hot: written this step
+    valid = t >= 0
+    slot = tl.load(slot_ptr + t, mask=valid, other=-1)
+    # a window row counts only if it stays in the window: rows of tokens < p + 1 - W leave it this step
+    hit = valid & (slot >= 0) & ((slot >= W) | (t >= p + 1 - W))
+    miss = valid & (hit == 0)
+    step = tl.load(step_ptr) + 1
+    tl.store(step_ptr, step)
+    tl.store(stamp_ptr + (slot - W), step, mask=hit & (slot >= W))
+    n_miss = tl.sum(miss.to(tl.int32))
+    tl.store(hits_ptr, tl.load(hits_ptr) + tl.sum(hit.to(tl.int64)))
+    tl.store(misses_ptr, tl.load(misses_ptr) + n_miss)
+    if n_miss > 0:
+        tl.debug_barrier()  # the hits' stamps written: their slots are the youngest, never victims
+        kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
+        _write_top_of_row(stamp_ptr, LRU, K, kth, ties, n_miss, victims_ptr, step, OLDEST, True, BLOCK)
+        tl.debug_barrier()
+        lru_slot = tl.load(victims_ptr + tl.cumsum(miss.to(tl.int32), 0) - 1, mask=miss, other=0)
+        evicted = tl.load(token_ptr + lru_slot, mask=miss, other=-1)
+        tl.store(slot_ptr + evicted, -1, mask=miss & (evicted >= 0))
+        tl.store(slot_ptr + t, (lru_slot + W).to(tl.int32), mask=miss)
+        tl.store(token_ptr + lru_slot, t, mask=miss)
+        tl.store(stamp_ptr + lru_slot, step, mask=miss)
+        tl.store(src_ptr + i, tl.where(miss, t, -1), mask=i < K)
+        tl.store(dst_ptr + i, lru_slot + W, mask=miss)
+    else:
+        tl.store(src_ptr + i, tl.full((BLOCK_K,), -1, tl.int64), mask=i < K)
+    tl.debug_barrier()  # every slot written before the selections read theirs
+    tl.store(mapped_ptr + i, tl.load(slot_ptr + index, mask=index >= 0, other=-1), mask=i < K)
+
+
+def write_one(row: torch.Tensor, position: torch.Tensor, host: torch.Tensor, hot: torch.Tensor,
+              slot_of: torch.Tensor, window: int):
+    """TieredLatent.write of one token: row [1, width] at position [1] (int64, on the device) into host (pinned: the
+    GPU writes it in place) and the hot window; slot_of updated. Rows must be whole 32-bit words."""
+    words = row.shape[1] * row.element_size() // 4
+    _write_one_kernel[(1,)](row.contiguous().view(torch.int32), position, host.view(torch.int32),
+                            hot.view(torch.int32), slot_of, window, WORDS=words, BLOCK=triton.next_power_of_2(words))
+
+
+def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tensor, token_of: torch.Tensor,
+              stamp: torch.Tensor, step: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
+              window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TieredLatent.fetch of one query's selections indices [K] (int64, distinct, -1 = none) at position [1]: the
+    tables updated in place. Returns (src, dst, mapped): the misses' host rows and their hot slots (src -1: none; for
+    gather_rows), and each selection's hot slot [K] int32 (slot_of[indices])."""
+    K = indices.numel()
+    src, dst = (torch.empty(K, dtype=torch.int64, device=indices.device) for _ in range(2))
+    victims = torch.empty(K, dtype=torch.int64, device=indices.device)
+    mapped = torch.empty(K, dtype=torch.int32, device=indices.device)
+    _fetch_one_kernel[(1,)](indices, position, slot_of, token_of, stamp, step, hits, misses, victims, src, dst, mapped,
+                            K, window, stamp.numel() - 1, OLDEST=OLDEST, BITS=BITS,
+                            BLOCK_K=triton.next_power_of_2(K), BLOCK=AGE_BLOCK, num_warps=8)
+    return src, dst, mapped
