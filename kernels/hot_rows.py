@@ -18,6 +18,7 @@ from .topk_triton import BITS, _kth_of_row, _write_top_of_row
 OLDEST = (1 << 24) - 1  # ages up to here are told apart (exact in fp32, as the torch path takes them; their top byte
 # is 0: the select skips it); older ones are all "old"
 AGE_BLOCK = 4096  # stamps a pass of the victims' select reads at a time
+MAX_SELECTIONS = 4096  # a fetch's selections are one block of the program (GLM-5's and DeepSeek-V3.2's: 2048)
 
 
 @triton.jit

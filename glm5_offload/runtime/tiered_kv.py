@@ -79,7 +79,7 @@ class TieredLatent:
         leave the window before attention reads them (< positions[-1] + 1 - window) count as misses. Needs lru >=
         2 S K, and each row's positions distinct (a top-k's). Returns the hot slot of each selection [S, K] (int32,
         -1 = none)."""
-        if indices.shape[0] == 1 and one_token_kernels(self.device):
+        if indices.shape[0] == 1 and indices.shape[1] <= hot_rows.MAX_SELECTIONS and one_token_kernels(self.device):
             src, dst, mapped = hot_rows.fetch_one(indices[0].contiguous(), positions, self.slot_of, self.token_of,
                                                   self.stamp, self.step, self.hits, self.misses, self.window)
             gather_rows(self.host, src, self.hot, dst)
