@@ -1,6 +1,6 @@
 """A decode step's bookkeeping of one layer's tiered latent cache (runtime/tiered_kv.py), one kernel each: the new
 token's row written, and the rows its query selected made hot. Torch takes some 20 and 50 small kernels for them (in
-a CUDA graph each costs 1-3 us whatever it does: a third of a GLM-5 layer's GPU time, bench/RESULTS.md); here one
+a CUDA graph each costs 1-3 us whatever it does: a quarter of a GLM-5 layer's GPU time, bench/RESULTS.md); here one
 program does each (a decode step's K = 2048 selections are one block), and the misses' rows are then copied by
 gather_rows.
 

@@ -11,7 +11,10 @@ many of the top k were still to be found among the keys that share them) and tha
 next 8 bits, and the first program records them for the next pass: one dependent load a pass. After the fourth,
 the k-th largest key is known; one pass counts each program's keys above and equal to it, and the last writes the
 positions, each program at the offset the counts before it give. Inside a CUDA graph a pass costs a few
-microseconds whatever it does, so the passes are few (bench/RESULTS.md: 8 passes of 4 bits were slower).
+microseconds whatever it does, so the passes are few (bench/RESULTS.md: 8 passes of 4 bits were slower). A row of
+at most ROW_PROGRAM_WIDTH scores (a decode step's within a 4K context) takes one program that makes every pass itself
+(_row_topk_kernel: one launch); its pieces (_kth_of_row, _write_top_of_row) also choose the tiered cache's LRU
+victims inside kernels/hot_rows.py's fetch.
 """
 
 

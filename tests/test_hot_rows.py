@@ -1,6 +1,6 @@
 """kernels/hot_rows.py: a decode step's write and fetch of the tiered latent cache in one kernel each, against
-TieredLatent's torch path (the interpreter on the CPU; the GPU with the `gpu` marker): every table equal after every
-step, over steps with hits, misses, evictions, old ties and rows leaving the window."""
+TieredLatent's torch path (in the interpreter on the CPU; on the GPU where there is one): every table equal after
+every step, over steps with hits, misses, evictions, old ties and rows leaving the window."""
 
 import pytest
 import torch
