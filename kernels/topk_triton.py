@@ -87,16 +87,8 @@ def _histogram_kernel(scores_ptr, hist_ptr, state_ptr, skip_ptr, T, k, per_progr
     prefix, remaining = _chosen(hist_row, state_row, k, LEVEL, BITS)
     _record(state_row, prefix, remaining, LEVEL)
     start = p * per_program
-    end = tl.minimum(start + per_program, T)
-    counts = tl.zeros((1 << BITS,), tl.int32)
-    for first in range(start, end, BLOCK):
-        t = first + tl.arange(0, BLOCK)
-        ok = t < end
-        key = _keys(tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=0.0))
-        digit = ((key >> (32 - BITS * (LEVEL + 1))) & ((1 << BITS) - 1)).to(tl.int32)
-        if LEVEL > 0:
-            ok = ok & ((key >> (32 - BITS * LEVEL)) == prefix)
-        counts += tl.histogram(digit, 1 << BITS, mask=ok)
+    counts = _digit_counts(scores_ptr + row.to(tl.int64) * T, start, tl.minimum(start + per_program, T), prefix, 0, 0,
+                           False, LEVEL, BITS, BLOCK)
     tl.atomic_add(hist_row + LEVEL * (1 << BITS) + tl.arange(0, 1 << BITS), counts, mask=counts > 0)
 
 
@@ -142,24 +134,9 @@ def _write_kernel(state_ptr, scores_ptr, counts_ptr, out_ptr, skip_ptr, T, k, pe
     real = others < tl.num_programs(1)
     above_before = tl.sum(tl.load(row_counts, mask=real & (others < p), other=0))
     equal_before = tl.sum(tl.load(row_counts + 1, mask=real & (others < p), other=0))
-    n_above = k - ties
-    out_row = out_ptr + row.to(tl.int64) * k
     start = p * per_program
-    end = tl.minimum(start + per_program, T)
-    for first in range(start, end, BLOCK):
-        t = first + tl.arange(0, BLOCK)
-        ok = t < end
-        x = tl.load(scores_ptr + row.to(tl.int64) * T + t, mask=ok, other=0.0)
-        key = _keys(x)
-        value = tl.where(x == float("-inf"), -1, t).to(tl.int64)
-        is_above = ok & (key > kth)
-        rank = above_before + tl.cumsum(is_above.to(tl.int32), 0) - 1
-        tl.store(out_row + rank, value, mask=is_above)
-        above_before += tl.sum(is_above.to(tl.int32))
-        is_equal = ok & (key == kth)
-        rank = equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
-        tl.store(out_row + n_above + rank, value, mask=is_equal & (rank < ties))
-        equal_before += tl.sum(is_equal.to(tl.int32))
+    _write_top(scores_ptr + row.to(tl.int64) * T, start, tl.minimum(start + per_program, T), k - ties, k, kth,
+               above_before, equal_before, out_ptr + row.to(tl.int64) * k, 0, 0, False, BLOCK)
 
 
 @triton.jit
@@ -174,37 +151,31 @@ def _row_keys(ptr, t, ok, step, OLDEST: tl.constexpr, AGES: tl.constexpr):
 
 
 @triton.jit
-def _kth_of_row(ptr, T, k, step, OLDEST: tl.constexpr, AGES: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program's radix select over a row of T keys (_row_keys): the k-th largest key, and how many of the keys
-    equal to it are among the top k. 32 / BITS passes over the row (ages: one fewer, their top byte is 0), each
-    BLOCK keys at a time."""
-    prefix = tl.zeros((), tl.uint32)
-    remaining = tl.zeros((), tl.int32) + k
-    for level in tl.static_range(8 // BITS if AGES else 0, 32 // BITS):
-        counts = tl.zeros((1 << BITS,), tl.int32)
-        for first in range(0, T, BLOCK):
-            t = first + tl.arange(0, BLOCK)
-            ok = t < T
-            key = _row_keys(ptr, t, ok, step, OLDEST, AGES)
-            if level > 0:
-                ok = ok & ((key >> (32 - BITS * level)) == prefix)
-            counts += tl.histogram(((key >> (32 - BITS * (level + 1))) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
-                                   mask=ok)
-        prefix, remaining = _pick_digit(counts, prefix, remaining, BITS)
-    return prefix, remaining
+def _digit_counts(ptr, start, end, prefix, step, OLDEST: tl.constexpr, AGES: tl.constexpr, LEVEL: tl.constexpr,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass LEVEL's histogram [2^BITS] over positions start..end-1 of a row (_row_keys): the next digit of the keys
+    that start with the LEVEL digits of prefix."""
+    counts = tl.zeros((1 << BITS,), tl.int32)
+    for first in range(start, end, BLOCK):
+        t = first + tl.arange(0, BLOCK)
+        ok = t < end
+        key = _row_keys(ptr, t, ok, step, OLDEST, AGES)
+        if LEVEL > 0:
+            ok = ok & ((key >> (32 - BITS * LEVEL)) == prefix)
+        counts += tl.histogram(((key >> (32 - BITS * (LEVEL + 1))) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS,
+                               mask=ok)
+    return counts
 
 
 @triton.jit
-def _write_top_of_row(ptr, T, k, kth, ties, limit, out_ptr, step, OLDEST: tl.constexpr, AGES: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """The positions of the row's top k (_kth_of_row's kth and ties) in topk_indices' order, those of rank < limit:
-    out[rank] (-1 for a -inf score)."""
-    n_above = k - ties
-    above_before = tl.zeros((), tl.int32)
-    equal_before = tl.zeros((), tl.int32)
-    for first in range(0, T, BLOCK):
+def _write_top(ptr, start, end, n_above, limit, kth, above_before, equal_before, out_ptr, step, OLDEST: tl.constexpr,
+               AGES: tl.constexpr, BLOCK: tl.constexpr):
+    """The top k's positions among start..end-1 of a row (_row_keys; the k-th largest key kth, n_above keys above
+    it in the row), each at its rank in topk_indices' order: out[rank] for rank < limit (<= k), -1 for a -inf
+    score. above_before / equal_before: the row's keys above / equal to kth before start."""
+    for first in range(start, end, BLOCK):
         t = first + tl.arange(0, BLOCK)
-        ok = t < T
+        ok = t < end
         key = _row_keys(ptr, t, ok, step, OLDEST, AGES)
         value = t.to(tl.int64) if AGES else tl.where(key == 0x007FFFFF, -1, t).to(tl.int64)  # _keys(-inf)
         is_above = ok & (key > kth)
@@ -212,9 +183,31 @@ def _write_top_of_row(ptr, T, k, kth, ties, limit, out_ptr, step, OLDEST: tl.con
         tl.store(out_ptr + rank, value, mask=is_above & (rank < limit))
         above_before += tl.sum(is_above.to(tl.int32))
         is_equal = ok & (key == kth)
-        rank = equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
-        tl.store(out_ptr + n_above + rank, value, mask=is_equal & (n_above + rank < limit))  # (limit <= k)
+        rank = n_above + equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
+        tl.store(out_ptr + rank, value, mask=is_equal & (rank < limit))
         equal_before += tl.sum(is_equal.to(tl.int32))
+
+
+@triton.jit
+def _kth_of_row(ptr, T, k, step, OLDEST: tl.constexpr, AGES: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program's radix select over a row of T keys (_row_keys): the k-th largest key, and how many of the keys
+    equal to it are among the top k. 32 / BITS passes over the row (ages: one fewer, their top byte is 0), each
+    BLOCK keys at a time."""
+    prefix = tl.zeros((), tl.uint32)
+    remaining = tl.zeros((), tl.int32) + k
+    for level in tl.static_range(8 // BITS if AGES else 0, 32 // BITS):
+        counts = _digit_counts(ptr, 0, T, prefix, step, OLDEST, AGES, level, BITS, BLOCK)
+        prefix, remaining = _pick_digit(counts, prefix, remaining, BITS)
+    return prefix, remaining
+
+
+@triton.jit
+def _write_top_of_row(ptr, T, k, kth, ties, limit, out_ptr, step, OLDEST: tl.constexpr, AGES: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """The positions of the row's top k (_kth_of_row's kth and ties) in topk_indices' order, those of rank < limit
+    (<= k): out[rank] (-1 for a -inf score)."""
+    _write_top(ptr, 0, T, k - ties, limit, kth, tl.zeros((), tl.int32), tl.zeros((), tl.int32), out_ptr, step, OLDEST,
+               AGES, BLOCK)
 
 
 @triton.jit
