@@ -72,6 +72,7 @@ def absorbs(rows: int) -> dict:
 
 
 TOPK, ROW_BYTES, HOT_BYTES, WINDOW = 2048, 656, 8 << 20, 512  # GLM-5 under rules/glm5.yaml
+TIERED_STEPS = 8192  # positions tiered_step's two paths advance through (stream_ms runs its 64 calls 32 times a path)
 
 
 def topk_row(T: int) -> dict:
@@ -92,30 +93,35 @@ def topk_row(T: int) -> dict:
 
 
 def tiered_step(context: int) -> dict:
-    """One layer's tiered cache (FP8 rows, 8 MiB hot, window 512) at `context` tokens: a decode step's write of its
-    row and fetch of 2048 random selections, 64 steps' selections in turn. At 4K every row is hot after the first
-    round; at 1M most selections miss (the LRU part holds ~6 steps' worth) and their rows cross PCIe."""
+    """One layer's tiered cache (FP8 rows, 8 MiB hot, window 512) in decode from `context` tokens on: a step writes
+    its row, fetches 2048 selections at distances back from its position (random, one set of distances per copy)
+    and moves to the next position (the two small kernels that compute the selections and the next position are
+    timed with it). At 4K the rows that just left the window miss (~1 a step) and the LRU part never fills; from 16K
+    it is full and every miss evicts; at 1M nearly every selection misses and its row crosses PCIe."""
     g = torch.Generator().manual_seed(context)
-    tier = tiered_kv.TieredLatent(context + 1, ROW_BYTES, torch.uint8, torch.device("cuda"), HOT_BYTES // ROW_BYTES,
-                                  WINDOW)
+    tier = tiered_kv.TieredLatent(context + TIERED_STEPS, ROW_BYTES, torch.uint8, torch.device("cuda"),
+                                  HOT_BYTES // ROW_BYTES, WINDOW)
     tier.host[:context] = torch.randint(0, 256, (context, ROW_BYTES), dtype=torch.uint8, generator=g)
     tier.reset(context)
     position, row = torch.tensor([context], device="cuda"), torch.randint(0, 256, (1, ROW_BYTES), device="cuda",
                                                                          dtype=torch.uint8)
-    picks = [torch.randperm(context, generator=g)[:TOPK][None].cuda() for _ in range(COPIES)]
+    distances = [torch.randperm(context - 1, generator=g)[:TOPK].add(1)[None].cuda() for _ in range(COPIES)]
 
-    def step(indices):
+    def step(distance):
         tier.write(position, row)
-        return tier.fetch(indices, position)
+        tier.fetch(position - distance, position)
+        position.add_(1)
 
     result, shipped = {}, tiered_kv.one_token_kernels
     try:
         for name, kernels in (("reference", False), ("kernels", True)):
             tiered_kv.one_token_kernels = lambda device, use=kernels: use
-            result[name] = ceilings.stream_ms([lambda i=i: step(i) for i in picks])
+            hits, misses = int(tier.hits), int(tier.misses)
+            result[name] = ceilings.stream_ms([lambda d=d: step(d) for d in distances])
     finally:
         tiered_kv.one_token_kernels = shipped
-    result["misses_per_step"] = int(tier.misses) / max(1, int(tier.hits) + int(tier.misses)) * TOPK
+    assert int(position) <= context + TIERED_STEPS, "the steps ran past the cache"
+    result["misses_per_step"] = (int(tier.misses) - misses) / (int(tier.hits) - hits + int(tier.misses) - misses) * TOPK
     return result
 
 
@@ -140,7 +146,7 @@ def main(argv=None):
         print(f"top-{TOPK} of a row of {T}: torch.topk {f['reference'] * 1e3:.1f} us, passes {f['passes'] * 1e3:.1f} "
               f"us, one program {f['one program'] * 1e3:.1f} us ({f['reference'] / f['one program']:.2f}x torch); "
               f"same set {f['same']}", flush=True)
-    for context in (4096, 1 << 20):
+    for context in (4096, 16384, 1 << 20):
         f = results["tiered_step"][context] = tiered_step(context)
         print(f"tiered cache at {context} tokens, a decode step's write and fetch: torch {f['reference'] * 1e3:.1f} "
               f"us, kernels {f['kernels'] * 1e3:.1f} us ({f['reference'] / f['kernels']:.2f}x); "

@@ -6,7 +6,10 @@ gather_rows.
 
 Reference: TieredLatent's torch path (`write` and `fetch`, which take any number of tokens); the tests hold the kernels
 to it on random cache states, every table equal after each step. The LRU victims are theirs too: the K least recently
-used slots in topk_triton.topk_indices' order, of which the misses take the first, in order.
+used slots in topk_triton.topk_indices' order, of which the misses take the first, in order. While K slots of the
+LRU part were never used (TieredLatent.unused: within a context the hot buffer holds, 12.8K of GLM-5's rows in 8
+MiB) those are the K least recent and the fetch takes them without a select; otherwise a one-program radix select
+over the slots' ages finds them (~50 us for GLM-5's 12K slots on an H200, bench/RESULTS.md).
 """
 
 import torch
@@ -39,13 +42,13 @@ def _write_one_kernel(row_ptr, pos_ptr, host_ptr, hot_ptr, slot_ptr, W, WORDS: t
 
 
 @triton.jit
-def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr, hits_ptr, misses_ptr, victims_ptr,
-                      src_ptr, dst_ptr, mapped_ptr, K, W, LRU, OLDEST: tl.constexpr, BITS: tl.constexpr,
+def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr, hits_ptr, misses_ptr, unused_ptr,
+                      victims_ptr, src_ptr, dst_ptr, mapped_ptr, K, W, LRU, OLDEST: tl.constexpr, BITS: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
     # idx [K] int64: the positions the query at pos[0] selected (-1: none); slot_of [max_seq_len + 1] int32,
-    # token_of [LRU + 1] int64, stamp [LRU + 1] int64, step / hits / misses 0-d int64: TieredLatent's tables, updated;
-    # victims [K] int64 scratch; src, dst [K] int64: the host rows to copy into hot slots (src -1: none); mapped [K]
-    # int32: each selection's hot slot (-1: none)
+    # token_of [LRU + 1] int64, stamp [LRU + 1] int64, step / hits / misses / unused 0-d int64: TieredLatent's
+    # tables, updated; victims [K] int64 scratch; src, dst [K] int64: the host rows to copy into hot slots (src -1:
+    # none); mapped [K] int32: each selection's hot slot (-1: none)
     i = tl.arange(0, BLOCK_K)
     index = tl.load(idx_ptr + i, mask=i < K, other=-1)
     p = tl.load(pos_ptr)
@@ -63,11 +66,16 @@ def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr
     tl.store(misses_ptr, tl.load(misses_ptr) + n_miss)
     if n_miss > 0:
         tl.debug_barrier()  # the hits' stamps written: their slots are the youngest, never victims
-        kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
+        unused = tl.load(unused_ptr)
+        if unused >= K:  # the K least recent are never-used slots (of the oldest age, stamp 0): no select
+            kth, ties = tl.minimum(step, OLDEST).to(tl.uint32), tl.zeros((), tl.int32) + K
+        else:
+            kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
         _write_top_of_row(stamp_ptr, LRU, K, kth, ties, n_miss, victims_ptr, step, OLDEST, True, BLOCK)
         tl.debug_barrier()
         lru_slot = tl.load(victims_ptr + tl.cumsum(miss.to(tl.int32), 0) - 1, mask=miss, other=0)
         evicted = tl.load(token_ptr + lru_slot, mask=miss, other=-1)
+        tl.store(unused_ptr, unused - tl.sum((miss & (evicted < 0)).to(tl.int64)))
         tl.store(slot_ptr + evicted, -1, mask=miss & (evicted >= 0))
         tl.store(slot_ptr + t, (lru_slot + W).to(tl.int32), mask=miss)
         tl.store(token_ptr + lru_slot, t, mask=miss)
@@ -90,7 +98,7 @@ def write_one(row: torch.Tensor, position: torch.Tensor, host: torch.Tensor, hot
 
 
 def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tensor, token_of: torch.Tensor,
-              stamp: torch.Tensor, step: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor,
+              stamp: torch.Tensor, step: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor, unused: torch.Tensor,
               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TieredLatent.fetch of one query's selections indices [K] (int64, distinct, -1 = none) at position [1]: the
     tables updated in place. Returns (src, dst, mapped): the misses' host rows and their hot slots (src -1: none; for
@@ -99,7 +107,7 @@ def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tens
     src, dst = (torch.empty(K, dtype=torch.int64, device=indices.device) for _ in range(2))
     victims = torch.empty(K, dtype=torch.int64, device=indices.device)
     mapped = torch.empty(K, dtype=torch.int32, device=indices.device)
-    _fetch_one_kernel[(1,)](indices, position, slot_of, token_of, stamp, step, hits, misses, victims, src, dst, mapped,
-                            K, window, stamp.numel() - 1, OLDEST=OLDEST, BITS=BITS,
+    _fetch_one_kernel[(1,)](indices, position, slot_of, token_of, stamp, step, hits, misses, unused, victims, src, dst,
+                            mapped, K, window, stamp.numel() - 1, OLDEST=OLDEST, BITS=BITS,
                             BLOCK_K=triton.next_power_of_2(K), BLOCK=AGE_BLOCK, num_warps=8)
     return src, dst, mapped

@@ -172,7 +172,8 @@ def _write_top(ptr, start, end, n_above, limit, kth, above_before, equal_before,
                AGES: tl.constexpr, BLOCK: tl.constexpr):
     """The top k's positions among start..end-1 of a row (_row_keys; the k-th largest key kth, n_above keys above
     it in the row), each at its rank in topk_indices' order: out[rank] for rank < limit (<= k), -1 for a -inf
-    score. above_before / equal_before: the row's keys above / equal to kth before start."""
+    score. above_before / equal_before: the row's keys above / equal to kth before start; returned with those of
+    start..end-1 added."""
     for first in range(start, end, BLOCK):
         t = first + tl.arange(0, BLOCK)
         ok = t < end
@@ -186,6 +187,7 @@ def _write_top(ptr, start, end, n_above, limit, kth, above_before, equal_before,
         rank = n_above + equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
         tl.store(out_ptr + rank, value, mask=is_equal & (rank < limit))
         equal_before += tl.sum(is_equal.to(tl.int32))
+    return above_before, equal_before
 
 
 @triton.jit
@@ -205,9 +207,16 @@ def _kth_of_row(ptr, T, k, step, OLDEST: tl.constexpr, AGES: tl.constexpr, BITS:
 def _write_top_of_row(ptr, T, k, kth, ties, limit, out_ptr, step, OLDEST: tl.constexpr, AGES: tl.constexpr,
                       BLOCK: tl.constexpr):
     """The positions of the row's top k (_kth_of_row's kth and ties) in topk_indices' order, those of rank < limit
-    (<= k): out[rank] (-1 for a -inf score)."""
-    _write_top(ptr, 0, T, k - ties, limit, kth, tl.zeros((), tl.int32), tl.zeros((), tl.int32), out_ptr, step, OLDEST,
-               AGES, BLOCK)
+    (<= k): out[rank] (-1 for a -inf score). The scan stops once every rank below limit is written (a fetch's few
+    misses take the first victims: a block)."""
+    n_above = k - ties
+    above = tl.zeros((), tl.int32)
+    equal = tl.zeros((), tl.int32)
+    first = 0
+    while (first < T) & ((above < tl.minimum(n_above, limit)) | (n_above + equal < limit)):
+        above, equal = _write_top(ptr, first, tl.minimum(first + BLOCK, T), n_above, limit, kth, above, equal, out_ptr,
+                                  step, OLDEST, AGES, BLOCK)
+        first += BLOCK
 
 
 @triton.jit

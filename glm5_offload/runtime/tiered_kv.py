@@ -41,6 +41,8 @@ class TieredLatent:
         self.end = 0  # tokens written, or being written by the pass under way (KVCache.begin_pass)
         self.hits = torch.zeros((), dtype=torch.long, device=device)  # selected rows found hot / fetched
         self.misses = torch.zeros((), dtype=torch.long, device=device)
+        # LRU slots never used since the reset: while K of them are left they are a fetch's K least recent
+        self.unused = torch.full((), self.lru, dtype=torch.long, device=device)
 
     def row_bytes(self) -> int:
         return self.host.shape[1] * self.host.element_size()
@@ -50,6 +52,7 @@ class TieredLatent:
         self.slot_of.fill_(-1)
         self.token_of.fill_(-1)
         self.stamp.zero_()
+        self.unused.fill_(self.lru)
         begin = max(0, end - self.window)
         positions = torch.arange(begin, end, device=self.device)
         self.hot[positions % self.window] = self.host[begin:end].to(self.device, non_blocking=True)
@@ -81,7 +84,8 @@ class TieredLatent:
         -1 = none)."""
         if indices.shape[0] == 1 and indices.shape[1] <= hot_rows.MAX_SELECTIONS and one_token_kernels(self.device):
             src, dst, mapped = hot_rows.fetch_one(indices[0].contiguous(), positions, self.slot_of, self.token_of,
-                                                  self.stamp, self.step, self.hits, self.misses, self.window)
+                                                  self.stamp, self.step, self.hits, self.misses, self.unused,
+                                                  self.window)
             gather_rows(self.host, src, self.hot, dst)
             return mapped[None]
         below, window_from = positions[0], positions[-1] + 1 - self.window
@@ -99,6 +103,7 @@ class TieredLatent:
         victims = least_recent(self.stamp[: self.lru], self.step, t.numel())
         lru_slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)], self.lru)
         evicted = self.token_of[lru_slot]
+        self.unused -= (miss & (evicted < 0)).sum()
         self.slot_of.index_fill_(0, evicted, -1)  # evicted = -1 for the dummy slot: the dummy token stays -1
         self.slot_of[torch.where(miss, t, -1)] = (lru_slot + self.window).int()
         self.slot_of[-1:].fill_(-1)
