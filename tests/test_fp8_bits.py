@@ -151,7 +151,7 @@ KERNELS = [
                            "slot_ptr": "*i32", "W": "i32", **K("WORDS BLOCK")}, dict(WORDS=164, BLOCK=256)),
     (h._fetch_one_kernel, {"idx_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i32", "token_ptr": "*i64",
                            "stamp_ptr": "*i64", "step_ptr": "*i64", "hits_ptr": "*i64", "misses_ptr": "*i64",
-                           "victims_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "mapped_ptr": "*i32",
+                           "unused_ptr": "*i64", "victims_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "mapped_ptr": "*i32",
                            "K": "i32", "W": "i32", "LRU": "i32", **K("OLDEST BITS BLOCK_K BLOCK")},
      dict(OLDEST=1 << 24, BITS=8, BLOCK_K=2048, BLOCK=4096)),
     (n._rmsnorm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride": "i32",
