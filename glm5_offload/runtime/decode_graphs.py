@@ -10,9 +10,11 @@ each stretch of GPU steps between cuts is captured as a graph. For a MoE layer i
          choice and weights copied D2H into pinned buffers                                     (up to the CUT)
     B_i  the shared expert, which the GPU runs while the CPU runs the routed experts        (up to the HostStep)
 
-The host replays A_i and B_i, waits for A_i alone (the one synchronisation of the layer), runs the routed
-experts on every core into a pinned buffer (the HostStep), and replays A_{i+1}. Dense layers join the piece
-they sit in; the final norm and lm_head are the last piece.
+The host replays A_i and B_i, and A_{i+1} too, which starts by waiting on the GPU for the host's signal
+(kernels/host_signal.py); it waits for A_i alone (the one synchronisation of the layer), runs the routed experts on
+every core into a pinned buffer (the HostStep) and gives the signal: A_{i+1} runs as soon as the experts are done,
+its launch already paid while the GPU ran A_i. Dense layers join the piece they sit in; the final norm and lm_head
+are the last piece.
 
 Nothing in a piece depends on a host-side position: the token and its position live in device tensors, and keys
 and rows are read up to a bucket bound (a power of two >= the context), masked past the position. One set of
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.host_signal import HostSignal
 from ..model import CUT, CausalLM, HostStep, MoE, Pass, run_steps
 from ..ops.experts_numba import NumbaExperts
 from .kv_cache import KVCache
@@ -55,6 +58,7 @@ class Piece:
     steps: list = field(default_factory=list)  # GPU steps, replayed as one graph
     cut: bool = False  # the host's next wait covers this piece and those before it
     host: HostStep | None = None  # after the piece: the host waits for the last cut, then does this
+    after_host: bool = False  # the piece follows a host step: its graph starts by waiting for the host's signal
     graph: torch.cuda.CUDAGraph | None = None
 
 
@@ -68,7 +72,7 @@ def pieces(steps: list) -> list[Piece]:
             out[-1].host = step
         else:
             if out[-1].cut or out[-1].host:
-                out.append(Piece())
+                out.append(Piece(after_host=out[-1].host is not None))
             out[-1].steps.append(step)
     return out
 
@@ -81,6 +85,7 @@ class DecodeGraphs:
         self.buckets: dict[int, tuple[list[Piece], Pass]] = {}  # bucket -> its pieces and their pass's state
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.stream = torch.cuda.Stream(model.device) if capture else None  # warm-ups and captures run on it
+        self.signal = HostSignal(model.device) if capture else None  # a host step's results are ready
         # host time of the replayed steps (capture steps are left out): whole steps, CPU experts, GPU waits
         self.seconds = {"steps": 0.0, "experts": 0.0, "wait": 0.0}
         self.steps = 0  # replayed steps
@@ -125,6 +130,8 @@ class DecodeGraphs:
         kept = [(t, t.clone()) for t in self.cache.states().values()]
         with torch.cuda.stream(self.stream):  # the warm-up: kernels compiled, workspaces allocated
             run_steps(steps, self._pass(bucket))
+            self.signal.give()
+            self.signal.wait()  # (its kernel too, given its signal)
             for t, before in kept:
                 t.copy_(before)
         main.wait_stream(self.stream)
@@ -133,16 +140,27 @@ class DecodeGraphs:
             if piece.steps:
                 piece.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(piece.graph, pool=self.pool, stream=self.stream):
+                    if piece.after_host:
+                        self.signal.wait()
                     for step in piece.steps:
                         step(s)
         return cut, s
 
     def _replay(self, cut: list[Piece], s: Pass) -> dict[str, float]:
-        """One step: each piece in turn, the host's work after its piece once the last cut's work is done."""
+        """One step: each piece in turn, the host's work after its piece once the last cut's work is done; with
+        graphs the piece after a host step is replayed before that work, and waits on the GPU for its signal."""
+        try:
+            return self._replay_pieces(cut, s)
+        except BaseException:
+            if self.capture:  # a wait may be queued for a signal that will not come
+                self.signal.release()
+            raise
+
+    def _replay_pieces(self, cut: list[Piece], s: Pass) -> dict[str, float]:
         split = {"experts": 0.0, "wait": 0.0}
         ready = None
-        for piece in cut:
-            if piece.graph is not None:
+        for i, piece in enumerate(cut):
+            if piece.graph is not None and not piece.after_host:
                 piece.graph.replay()
             elif not self.capture:
                 run_steps(piece.steps, s)
@@ -150,11 +168,15 @@ class DecodeGraphs:
                 ready = torch.cuda.Event()
                 ready.record()
             if piece.host is not None:
+                if self.capture and i + 1 < len(cut):
+                    cut[i + 1].graph.replay()  # (every piece after a host step has GPU steps: its sum's combine)
                 t0 = time.perf_counter()
                 if ready is not None:
                     ready.synchronize()
                 t1 = time.perf_counter()
                 piece.host(s)
+                if self.capture:
+                    self.signal.give()
                 split["wait"] += t1 - t0
                 split["experts"] += time.perf_counter() - t1
         return split
