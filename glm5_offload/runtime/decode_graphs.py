@@ -168,14 +168,15 @@ class DecodeGraphs:
                 ready = torch.cuda.Event()
                 ready.record()
             if piece.host is not None:
-                if self.capture and i + 1 < len(cut):
-                    cut[i + 1].graph.replay()  # (every piece after a host step has GPU steps: its sum's combine)
+                ahead = cut[i + 1] if self.capture and i + 1 < len(cut) else None  # starts with the signal's wait
+                if ahead is not None:
+                    ahead.graph.replay()  # (every piece after a host step has GPU steps: its sum's combine)
                 t0 = time.perf_counter()
                 if ready is not None:
                     ready.synchronize()
                 t1 = time.perf_counter()
                 piece.host(s)
-                if self.capture:
+                if ahead is not None:  # one signal a wait queued: the counts stay aligned
                     self.signal.give()
                 split["wait"] += t1 - t0
                 split["experts"] += time.perf_counter() - t1
