@@ -72,7 +72,7 @@ def decode(hbm: float, rows: int) -> list[dict]:
     return out
 
 
-def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
+def prefill(tokens: int, bf16_ceiling: float, hbm: float) -> list[dict]:
     out = []
     for name, n, k in [("q_b_proj", 16384, 2048), ("o_proj", 6144, 16384), ("shared gate/up", 2048, 6144)]:
         w16, (w8, s8), (w4, s4) = weights(n, k)
@@ -92,6 +92,9 @@ def prefill(tokens: int, bf16_ceiling: float) -> list[dict]:
             x8, xs = linear_triton.quantize_activations(x)
             runs += [("cuBLAS blockwise", lambda: linear_triton._blockwise_mm(x8, xs, w8, s8, torch.bfloat16)),
                      ("cuBLAS blockwise + quantise", lambda: linear_triton.fp8_blockwise_linear(x, w8, s8))]
+            ms = ceilings.time_ms(lambda: linear_triton.quantize_activations(x))  # bf16 read, e4m3 + scales written
+            moved = x.numel() * 3 + xs.numel() * 4
+            figures["quantise"] = {"us": ms * 1e3, "gb_s": moved / ms / 1e6, "of_hbm": moved / ms / 1e6 / hbm}
         for fmt, fn in runs:
             ms = ceilings.time_ms(fn)
             figures[fmt] = {"ms": ms, "tflops": flops / ms / 1e9, "of_bf16_ceiling": flops / ms / 1e9 / bf16_ceiling}
@@ -169,7 +172,7 @@ def run(do_sweep: bool = False) -> dict:
     result["decode_tile"] = dict(linear_triton.DECODE_TILE)
     result["int4_gemv_tile"] = dict(linear_triton.INT4_GEMV_TILE)
     result["decode"] = decode(hbm, 1) + decode(hbm, 8)
-    result["prefill"] = prefill(4096, bf16)
+    result["prefill"] = prefill(4096, bf16, hbm)
     return result
 
 
@@ -188,8 +191,9 @@ def table(r: dict) -> str:
     for p in r["prefill"]:
         figures = [f"{p[k]['tflops']:.0f}" if k in p else "-" for k in runs]
         lines.append(f"{p['shape']:<16} {p['tokens']:>5} " + " | ".join(figures)
-                     + (f" (cuBLAS rel err {p['cuBLAS blockwise rel err']:.1e})" if "cuBLAS blockwise rel err" in p
-                        else " (no cuBLAS blockwise FP8 GEMM here)"))
+                     + (f" (cuBLAS rel err {p['cuBLAS blockwise rel err']:.1e}; the quantise kernel alone "
+                        f"{p['quantise']['us']:.1f} us, {p['quantise']['gb_s']:.0f} GB/s = {p['quantise']['of_hbm']:.0%} "
+                        "of the HBM copy)" if "cuBLAS blockwise rel err" in p else " (no cuBLAS blockwise FP8 GEMM here)"))
     return "\n".join(lines)
 
 

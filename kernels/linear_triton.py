@@ -233,9 +233,15 @@ def _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N):
 
 
 @triton.jit
-def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, FP8_MAX: tl.constexpr):
+def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, FP8_MAX: tl.constexpr,
+                                 FP8_HW: tl.constexpr):
     # x [M, K] -> out [M, K] e4m3 bytes and scales [KB, M] fp32 (column-major [M, KB], as cuBLAS takes them):
-    # one program: BLOCK_M rows x one 128-block of inputs (fp8_blocks.quantize_activations)
+    # one program: BLOCK_M rows x one 128-block of inputs (fp8_blocks.quantize_activations). Bit-exact with torch's
+    # x / scale cast to e4m3. FP8_HW (a GPU with FP8 conversions): the GPU's conversion (two values an instruction,
+    # saturating, to nearest even, as torch's cast), and the division by one reciprocal a row and two fused
+    # multiply-adds a value (Markstein: with r = 1/scale correctly rounded and q0 = x r, q0 + (x - scale q0) r rounds
+    # to x / scale exactly; outside a quotient below 2^-126, which e4m3 takes to 0 either way) instead of an IEEE
+    # division each (ten instructions); the interpreter's fma is not fused, so it takes the division and the bits.
     pid_m, kb = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k = kb * 128 + tl.arange(0, 128)
@@ -243,7 +249,15 @@ def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.co
     offsets = m.to(tl.int64)[:, None] * K + k[None, :]
     x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)  # IEEE division, as torch's
-    tl.store(out_ptr + offsets, f32_to_e4m3(tl.div_rn(x, scale[:, None])), mask=ok)
+    if FP8_HW:
+        r = tl.div_rn(1.0, scale)[:, None]
+        q0 = x * r
+        error = tl.fma(-scale[:, None], q0, x)  # exact
+        # an infinite scale (an infinite x) leaves error NaN: q0 is then torch's quotient (0, or NaN for x infinite)
+        x8 = tl.where(error == error, tl.fma(error, r, q0), q0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        x8 = f32_to_e4m3(tl.div_rn(x, scale[:, None]))
+    tl.store(out_ptr + offsets, x8, mask=ok)
     tl.store(scale_ptr + kb * M + m, scale, mask=m < M)
 
 
@@ -333,7 +347,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(M, K, dtype=torch.uint8, device=x.device)
     scales = torch.empty(triton.cdiv(K, BLOCK), M, dtype=torch.float32, device=x.device)
     _quantize_activations_kernel[(triton.cdiv(M, 16), triton.cdiv(K, BLOCK))](x.contiguous(), out, scales, M, K,
-                                                                              BLOCK_M=16, FP8_MAX=FP8_MAX)
+                                                                              BLOCK_M=16, FP8_MAX=FP8_MAX,
+                                                                              FP8_HW=has_fp8_dot(x.device))
     return out.view(torch.float8_e4m3fn), scales.t()
 
 

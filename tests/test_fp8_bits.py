@@ -1,6 +1,6 @@
 """FP8 by bit arithmetic (kernels/fp8_bits.py) against torch's float8_e4m3fn, and every Triton kernel of the package
 compiled for sm86 (RTX 3090, like sm80: no FP8 conversion instructions, and Triton refuses its float8e4nv type there),
-the FP8-dot prefill kernel for sm89 (RTX 4090: FP8 tensor cores), on this machine's Triton (no GPU needed)."""
+the FP8-dot prefill and activation-quantising kernels for sm89 (RTX 4090: FP8 tensor cores and conversions), on this machine's Triton (no GPU needed)."""
 
 import os
 import subprocess
@@ -78,6 +78,8 @@ indexer = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32"
            "S": "i32", "T": "i32", "scale": "fp32"}
 indexer_fp8 = {**indexer, "q_ptr": "*u8", **K("H D BLOCK_S S_PAD BLOCK_T KEY_BLOCKS FP8_HW CAST")}
 indexer_fp8_tile = lambda hw: dict(H=32, D=128, BLOCK_S=8, S_PAD=16, BLOCK_T=64, KEY_BLOCKS=16, FP8_HW=hw, CAST=False)
+quantize = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "K": "i32",
+            **K("BLOCK_M FP8_MAX FP8_HW")}
 rows = {"scores_ptr": "*fp32", "T": "i32", "k": "i32", "per_program": "i32"}
 fp8_tile = lambda **k: {**dict(BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=False), **k}
 KERNELS = [
@@ -86,8 +88,7 @@ KERNELS = [
     (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True)),
     (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False, STEP=2)),
     (l._int4_gemv_kernel, int4_gemv, dict(G=128, BLOCK_M=1, BLOCK_N=128, CAST=False, STEP=1, EXACT=False)),
-    (l._quantize_activations_kernel, {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32",
-                                      "K": "i32", **K("BLOCK_M FP8_MAX")}, dict(BLOCK_M=16, FP8_MAX=448.0)),
+    (l._quantize_activations_kernel, quantize, dict(BLOCK_M=16, FP8_MAX=448.0, FP8_HW=False)),
     (l._fp8_dequantize_kernel, {"w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
                                 **K("BLOCK_N")}, dict(BLOCK_N=64)),
     (d._rope_quant_kernel, {"k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*u8",
@@ -165,7 +166,8 @@ NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 har
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
       (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, FP8_HW=True, STEP=2)),
       (89, l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, FP8_HW=True, VECTOR=True)),
-      (89, d._indexer_fp8_kernel, indexer_fp8, indexer_fp8_tile(True))]
+      (89, d._indexer_fp8_kernel, indexer_fp8, indexer_fp8_tile(True)),
+      (89, l._quantize_activations_kernel, quantize, dict(BLOCK_M=16, FP8_MAX=448.0, FP8_HW=True))]
 JOBS = [(86, *k) for k in KERNELS] + HW
 
 

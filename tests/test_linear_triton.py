@@ -95,10 +95,16 @@ def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
 
 
 def test_activations_quantise_in_one_kernel_as_the_reference_does():
-    """The prefill's FP8 activations (per row and 128 inputs; a partial block at the end, a zero block): the bytes
-    and scales of fp8_blocks.quantize_activations, the scales column-major as cuBLAS takes them."""
+    """The prefill's FP8 activations (per row and 128 inputs; a partial block at the end, a zero block; blocks of
+    huge, tiny and infinite values): the bytes and scales of fp8_blocks.quantize_activations, the scales column-major
+    as cuBLAS takes them. On a GPU the division is a reciprocal and two FMAs: bit-exact all the same."""
     x = random((37, 300), 11) * torch.logspace(-3, 3, 300)
     x[5, 128:256] = 0
+    x[6, :128] = (random((128,), 12) * 1e38).clamp(-3e38, 3e38)  # up to bf16's largest
+    x[7, :128] *= 1e-14
+    x[7, 0] = 1e30  # the scale 2e27: the rest's quotients below 2^-126
+    x[8, 128:256] = 2.0 ** -133  # bf16 subnormals
+    x[9, 3], x[9, 140], x[10, 290] = float("inf"), -float("inf"), float("inf")  # inf / inf: NaN, the rest of it 0
     x8, scales = linear_triton.quantize_activations(x.to(DEVICE, torch.bfloat16))
     want8, want_scales = fp8_blocks.quantize_activations(x.bfloat16())
     assert torch.equal(x8.view(torch.uint8).cpu(), want8.view(torch.uint8))
