@@ -2,11 +2,12 @@
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
         [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
-        [--peer all,offload] [--prefill-only] [--json FILE]
+        [--peer all,offload] [--prefill-only | --filled] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
-bench`'s measurement (benchmark.run_benchmark); with --peer, transformers on the same checkpoint
-(bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
+bench`'s measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
+(bench_context.fill, as if prefilled: a 1M context's decode without its 1M prefill); with --peer, transformers on
+the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
 projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer (their difference)
 times the targets' MoE layers plus the fixed rest; with one, the whole measured step per MoE layer (which
 also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
@@ -16,14 +17,17 @@ last-context prefill, from its synchronised split, per layer kind (benchmark.pre
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import bench_peer
 import torch
+from bench_context import fill
 
-from glm5_offload.benchmark import format_table, prefill_projection, prefill_split, random_prompt, run_benchmark
+from glm5_offload.benchmark import (format_table, generate_split, prefill_projection, prefill_split, random_prompt,
+                                    run_benchmark)
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
@@ -47,15 +51,34 @@ def expert_format(model) -> tuple[str, int] | None:
     return None
 
 
+def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
+    """Decode after a context of random cache rows (bench_context.fill: no prefill), twice from the same position:
+    the second run's speed and graph split."""
+    fill(engine, context)
+    prompt = engine.cache_ids + [0]  # the cached rows are the prompt's prefix: one token is prefilled
+    engine.generate(prompt, new_tokens)
+    again, graph_split = generate_split(engine, prompt, new_tokens)
+    ms = 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None
+    return {"context": context, "filled": True, "new_tokens": new_tokens, "prefilled_tokens": again.prefilled_tokens,
+            "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split}
+
+
 def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
-                  prefill_only: bool = False) -> tuple[dict, tuple | None]:
+                  prefill_only: bool = False, filled: bool = False) -> tuple[dict, tuple | None]:
     max_seq_len = context + 2 * new_tokens  # the split's run extends the first one (as `glm5 bench`)
     model = load_model(model_dir, rules=rules, max_seq_len=max_seq_len)
+    os.sync()  # a checkpoint or expert cache just written is on the disk before anything is timed (its writeback
+    # would compete with the experts for the host's cores and memory)
     engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk)
     if prefill_only:  # a shorter prefill first compiles the kernels (run_benchmark's split follows a first run)
         engine.generate(random_prompt(engine, min(context, 2 * prefill_chunk), seed=1), 1)
         result = {"context": context, "prefill_split_s": prefill_split(engine, random_prompt(engine, context))}
         print(json.dumps(result), flush=True)
+    elif filled:
+        result = decode_filled(engine, context, new_tokens)
+        split = result["graph_split_ms_per_token"] or {}
+        print(f"decode after {context} filled tokens: {result['decode_ms_per_token']:.2f} ms/token ("
+              + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + ")", flush=True)
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)
@@ -138,6 +161,9 @@ def main(argv=None):
     parser.add_argument("--prefill-chunk", type=int, default=16384)
     parser.add_argument("--prefill-only", action="store_true",
                         help="only the prefill's synchronised split and its projection (no decode runs)")
+    parser.add_argument("--filled", action="store_true",
+                        help="decode only, after a context of random cache rows instead of its prefill (a 1M context "
+                             "in seconds): no prefill figures")
     parser.add_argument("--peer", default="", help="transformers modes beside ours: all, offload (bench_peer.py)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
@@ -156,11 +182,12 @@ def main(argv=None):
         runs[n], moe[n] = [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):
             result, fmt = bench_context(model_dir, rules, context, args.new_tokens, args.prefill_chunk,
-                                        args.prefill_only)
-            if not args.prefill_only:
+                                        args.prefill_only, args.filled)
+            if not (args.prefill_only or args.filled):
                 print(format_table(result), flush=True)
             runs[n].append(result)
-        for mode in filter(None, args.peer.split(",") if n == counts[0] and not args.prefill_only else []):
+        for mode in filter(None, args.peer.split(",") if n == counts[0] and not (args.prefill_only or args.filled)
+                           else []):
             device = "cuda" if torch.cuda.is_available() else "cpu"
             peer = bench_peer.run(str(model_dir), device, mode == "offload", runs[n][0]["context"], 4)
             ours = runs[n][0]["decode_ms_per_token"] / config.num_hidden_layers
@@ -196,15 +223,18 @@ def main(argv=None):
             bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
             print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | {p['basis']} | "
                   f"{p['projected_ms_per_token']:.0f} | {p['projected_tok_s']:.2f} | {bound} |")
-    prefill_rows = prefill_projection(results[-1]["prefill_split_s"], configs[counts[0]])
-    print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of {args.prefill_chunk})")
-    print("| model | context | indexer s | rest of attention and other s | experts s | dense MLPs s | projected prefill |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for p in prefill_rows:
-        parts = p["parts_s"]
-        print(f"| {p['target']} | {results[-1]['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | "
-              f"{parts['experts']:.0f} | {parts['dense']:.0f} | {p['projected_prefill_s']:.0f} s "
-              f"({p['projected_prefill_s'] / 60:.1f} min) |")
+    prefill_rows = [] if args.filled else prefill_projection(results[-1]["prefill_split_s"], configs[counts[0]])
+    if prefill_rows:
+        print(f"\nprefill projection from the {results[-1]['context']}-token prefill's split (chunks of "
+              f"{args.prefill_chunk})")
+        print("| model | context | indexer s | rest of attention and other s | experts s | dense MLPs s | "
+              "projected prefill |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for p in prefill_rows:
+            parts = p["parts_s"]
+            print(f"| {p['target']} | {results[-1]['context']} | {parts['indexer']:.0f} | {parts['rest']:.0f} | "
+                  f"{parts['experts']:.0f} | {parts['dense']:.0f} | {p['projected_prefill_s']:.0f} s "
+                  f"({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "peers": peers, "read_gb_s": read_gb_s, "marginal_layer":
                                                marginal, "projection": rows, "prefill_projection": prefill_rows}, indent=1))

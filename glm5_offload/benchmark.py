@@ -29,7 +29,7 @@ from .config import load_config
 from .kernels.host_read import read_bandwidth_gb_s
 from .model import Experts
 from .planner import make_plan
-from .runtime.engine import Engine
+from .runtime.engine import Engine, GenerationResult
 from .runtime.saved_context import load_context, save_context
 from .util import Timeline
 
@@ -99,15 +99,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     first = engine.generate(prompt, new_tokens)
-    graphs = engine.graphs
-    if graphs is not None:
-        seconds, steps = dict(graphs.seconds), graphs.steps
-    again = engine.generate(prompt, new_tokens)  # the same positions: decode speed, graphs warm
-    graph_split = None
-    if graphs is not None:
-        n = graphs.steps - steps
-        ms = {k: (graphs.seconds[k] - seconds[k]) / n * 1e3 for k in graphs.seconds}
-        graph_split = {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
+    again, graph_split = generate_split(engine, prompt, new_tokens)  # the same positions: decode speed, graphs warm
     for _ in range(2):  # the first pass compiles what eager decode needs and the graphs did not (Triton
         # specialises integer arguments, such as a key count that is not a multiple of 16); the second is kept
         with Timeline() as timeline:
@@ -134,6 +126,19 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "saved_context": saved,
         "host_bound": bound,
     }
+
+
+def generate_split(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[GenerationResult, dict | None]:
+    """engine.generate, and where it decodes from CUDA graphs its steps' split per token (ms): the CPU experts, the
+    host's wait for the GPU before them, and the rest."""
+    graphs = engine.graphs
+    if graphs is not None:
+        seconds, steps = dict(graphs.seconds), graphs.steps
+    result = engine.generate(prompt, new_tokens)
+    if graphs is None or graphs.steps == steps:
+        return result, None
+    ms = {k: (graphs.seconds[k] - seconds[k]) / (graphs.steps - steps) * 1e3 for k in graphs.seconds}
+    return result, {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
 
 
 def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None:

@@ -15,7 +15,8 @@ spends about 3.5 instructions a weight on them (the dot kernel's M = 1 form spen
 bandwidth on an H200). Prefill takes big tiles. Weights are loaded as bytes and widened by bit arithmetic to bf16
 (e4m3 and int4 values are exact in bf16), so the kernels run on any GPU Triton supports (sm80, sm86 included). Where
 the GPU has FP8 tensor cores (sm89, sm90, sm120) a prefill's activations are quantised to e4m3 per 128 inputs of a
-row (fp8_blocks.quantize_activations, as DeepSeek's inference does) and the fp8 kernel takes FP8 dots.
+row (as DeepSeek's inference does; `quantize_activations`, one kernel, bit-exact with fp8_blocks') and the fp8 kernel
+takes FP8 dots, or on sm90 cuBLAS's blockwise FP8 GEMM does (`fp8_blockwise_linear`).
 
 References: `linear_reference` (the weights and activations dequantised, x W^T in fp32); the tests hold each path to
 it on the CPU (Triton's interpreter) and on the GPU.
@@ -47,7 +48,7 @@ PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, blocks_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, FP8_HW: tl.constexpr,
                 CAST: tl.constexpr, STEP: tl.constexpr, VECTOR: tl.constexpr):
-    # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [M, KB] fp32), w [N, K] e4m3 bytes, ws [NB, KB] fp32
+    # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [KB, M] fp32, quantize_activations'), w [N, K] e4m3 bytes, ws [NB, KB] fp32
     # (KB = cdiv(K, 128)); out [M, N]; part [splits, M, N] fp32 and count [tiles] int32 (zero) when split
     # (_write_tile). BLOCK_N divides 128.
     # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
@@ -83,7 +84,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N
             else:
                 x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
                 if ACT_FP8:
-                    x_scale = tl.load(xs_ptr + m * KB + kb, mask=m_ok & (kb < kb1), other=0.0)
+                    x_scale = tl.load(xs_ptr + kb * M + m, mask=m_ok & (kb < kb1), other=0.0)
                     if FP8_HW:
                         d = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
                         acc += d * (x_scale[:, None] * w_scale)
@@ -315,7 +316,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     if fp8_dot is None:
         fp8_dot = M > DECODE_ROWS and x.dtype == torch.bfloat16 and has_fp8_dot(x.device)
     if fp8_dot:
-        x_in, x_scales = fp8_blocks.quantize_activations(x)
+        x_in, x_scales = quantize_activations(x)  # the scales' [KB, M] buffer (a transposed view of it)
         x_in = x_in.view(torch.uint8)
     else:
         x_in, x_scales = x.contiguous(), scales  # any fp32 tensor stands in for the unused scales

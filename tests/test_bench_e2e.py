@@ -1,11 +1,17 @@
-"""bench/bench_e2e.py's decode projection: a marginal layer measured below the host-bandwidth bound (the two runs'
-noise) is not projected from."""
+"""bench/bench_e2e.py: the decode projection (a marginal layer measured below the host-bandwidth bound, the two runs'
+noise, is not projected from), and decode after a filled context (--filled)."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import bench_e2e  # noqa: E402
+import torch  # noqa: E402
+
+from glm5_offload.loader import load_model  # noqa: E402
+from glm5_offload.rules import load_rules  # noqa: E402
+from glm5_offload.runtime.engine import Engine  # noqa: E402
+from glm5_offload.runtime.tiered_kv import TieredLatent  # noqa: E402
 
 
 def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
@@ -18,3 +24,17 @@ def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
         assert 0 < row["of_bound"] < 1
     for row in noise:
         assert row["basis"].startswith("whole step") and row["projected_ms_per_token"] == 6.0 * 75
+
+
+def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
+    """--filled: the cache holds a context of random rows (the tiered latent's host tier included) and decode starts
+    after it with one token prefilled, its window rows brought to the hot tier, every logit finite."""
+    model = load_model(tiny_dir(), device="cpu", rules=load_rules("glm5"), max_seq_len=160)
+    engine = Engine(model, max_seq_len=160)
+    result = bench_e2e.decode_filled(engine, 150, 2)
+    assert result["prefilled_tokens"] == 1 and result["decode_ms_per_token"] > 0
+    assert engine.cache.length == 150 + 2 and len(engine.cache_ids) == 152
+    tiered = [store for store in engine.cache.latent if isinstance(store, TieredLatent)]
+    assert tiered and all(store.end == 152 for store in tiered)
+    logits = engine.model(torch.tensor([1]), engine.cache, logits_for="last")
+    assert torch.isfinite(logits).all()
