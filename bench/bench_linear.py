@@ -192,8 +192,9 @@ def table(r: dict) -> str:
         figures = [f"{p[k]['tflops']:.0f}" if k in p else "-" for k in runs]
         lines.append(f"{p['shape']:<16} {p['tokens']:>5} " + " | ".join(figures)
                      + (f" (cuBLAS rel err {p['cuBLAS blockwise rel err']:.1e}; the quantise kernel alone "
-                        f"{p['quantise']['us']:.1f} us, {p['quantise']['gb_s']:.0f} GB/s = {p['quantise']['of_hbm']:.0%} "
-                        "of the HBM copy)" if "cuBLAS blockwise rel err" in p else " (no cuBLAS blockwise FP8 GEMM here)"))
+                        f"{p['quantise']['us']:.1f} us, {p['quantise']['gb_s']:.0f} GB/s = "
+                        f"{p['quantise']['of_hbm']:.0%} of the HBM copy)" if "cuBLAS blockwise rel err" in p
+                        else " (no cuBLAS blockwise FP8 GEMM here)"))
     return "\n".join(lines)
 
 

@@ -48,9 +48,9 @@ PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, blocks_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, FP8_HW: tl.constexpr,
                 CAST: tl.constexpr, STEP: tl.constexpr, VECTOR: tl.constexpr):
-    # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [KB, M] fp32, quantize_activations'), w [N, K] e4m3 bytes, ws [NB, KB] fp32
-    # (KB = cdiv(K, 128)); out [M, N]; part [splits, M, N] fp32 and count [tiles] int32 (zero) when split
-    # (_write_tile). BLOCK_N divides 128.
+    # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [KB, M] fp32, quantize_activations'), w [N, K] e4m3
+    # bytes, ws [NB, KB] fp32 (KB = cdiv(K, 128)); out [M, N]; part [splits, M, N] fp32 and count [tiles] int32
+    # (zero) when split (_write_tile). BLOCK_N divides 128.
     # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
     # STEP 128-blocks of inputs per iteration; VECTOR (M = 1): products summed without a dot.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -1,6 +1,7 @@
 """FP8 by bit arithmetic (kernels/fp8_bits.py) against torch's float8_e4m3fn, and every Triton kernel of the package
 compiled for sm86 (RTX 3090, like sm80: no FP8 conversion instructions, and Triton refuses its float8e4nv type there),
-the FP8-dot prefill and activation-quantising kernels for sm89 (RTX 4090: FP8 tensor cores and conversions), on this machine's Triton (no GPU needed)."""
+the FP8-dot prefill and activation-quantising kernels for sm89 (RTX 4090: FP8 tensor cores and conversions), on
+this machine's Triton (no GPU needed)."""
 
 import os
 import subprocess
