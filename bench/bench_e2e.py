@@ -159,11 +159,12 @@ def main(argv=None):
     parser.add_argument("--contexts", default="4096,131072")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=16384)
-    parser.add_argument("--prefill-only", action="store_true",
-                        help="only the prefill's synchronised split and its projection (no decode runs)")
-    parser.add_argument("--filled", action="store_true",
-                        help="decode only, after a context of random cache rows instead of its prefill (a 1M context "
-                             "in seconds): no prefill figures")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--prefill-only", action="store_true",
+                      help="only the prefill's synchronised split and its projection (no decode runs)")
+    only.add_argument("--filled", action="store_true",
+                      help="decode only, after a context of random cache rows instead of its prefill (a 1M context "
+                           "in seconds): no prefill figures")
     parser.add_argument("--peer", default="", help="transformers modes beside ours: all, offload (bench_peer.py)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
