@@ -115,7 +115,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "prefill_tokens_per_s": first.prefill_tokens_per_s,
         "decode_tokens_per_s": again.decode_tokens_per_s,
         "decode_ms_per_token": 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None,
-        "cuda_graphs": graphs is not None,
+        "cuda_graphs": engine.graphs is not None,
         "graph_split_ms_per_token": graph_split,
         "split_ms_per_token": {k: v / new_tokens * 1e3 for k, v in split.items()},
         "split_prefilled_tokens": third.prefilled_tokens,
