@@ -11,9 +11,6 @@ from safetensors.torch import load_file
 
 from glm5_offload.benchmark import prefill_projection
 from glm5_offload.config import load_config
-from glm5_offload.loader import load_model
-from glm5_offload.rules import load_rules
-from glm5_offload.runtime.engine import Engine
 from glm5_offload.tiny import shaped_config, tiny_config
 from glm5_offload.runtime.kv_cache import new_cache
 
