@@ -14,6 +14,10 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on th
     # need a GPU: on the CPU it is told fla-core is absent, so its own plain-torch KDA is the one compared against
     sys.modules.setdefault("fla", None)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: torch's threads divided among them (more
+    # threads than cores wait on one another in every parallel region)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 # Small dims of the real architectures. index_topk (8) is below the test prompts' lengths, so the
 # indexer really selects; 16 indexer heads keep exact-zero score ties (all ReLUs zero) improbable.
 COMMON = dict(
