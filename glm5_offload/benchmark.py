@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import huge_pages
 from .config import load_config
 from .kernels.host_read import read_bandwidth_gb_s
 from .model import Experts
+from .ops.experts_numba import NumbaExperts
 from .planner import make_plan
 from .runtime.engine import Engine, GenerationResult
 from .runtime.saved_context import load_context, save_context
@@ -143,7 +145,9 @@ def generate_split(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[
 
 def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
-    measured decode's fraction of it; None where the experts are not all on the CPU."""
+    measured decode's fraction of it, and the bytes of the memory holding the CPU experts in huge pages (a 4 KiB
+    page a TLB entry slows their read: checkpoint.read_into_memory asks for 2 MiB ones); None where the experts are
+    not all on the CPU."""
     model = engine.model
     plan = make_plan(model.config, model.placement, context, {}, dtype=model.dtype)
     on_cpu = [s.device == "cpu" for s in model.placement.slots.values() if s.op.replaces is Experts]
@@ -151,8 +155,11 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None
         return None
     read = read_bandwidth_gb_s(1 << 30, repeats=3)
     bound = read * 1e9 / plan.active_expert_bytes
+    pages = huge_pages([getattr(m, name) for m in model.modules() if isinstance(m, NumbaExperts)
+                        for name in ("w13", "s13", "w2", "s2")])
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
-            "of_bound": decode_tok_s / bound}
+            "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
+            "experts_huge_page_bytes": pages and pages[1]}
 
 
 def saved_context_seconds(engine: Engine) -> dict:
@@ -197,6 +204,9 @@ def format_table(r: dict) -> str:
         lines.append(f"  host-bandwidth bound: {bound['expert_bytes_per_token'] / 1e6:.1f} MB of routed experts a token "
                      f"at {bound['host_read_gb_s']:.1f} GB/s read = {bound['bound_tok_s']:.1f} tok/s; decode is "
                      f"{bound['of_bound']:.1%} of it")
+        if bound["experts_mapped_bytes"]:
+            lines.append(f"  the CPU experts' memory: {gib(bound['experts_mapped_bytes'])} mapped, "
+                         f"{bound['experts_huge_page_bytes'] / bound['experts_mapped_bytes']:.0%} in huge pages")
     saved = r["saved_context"]
     lines.append(f"  context of {saved['tokens']} tokens saved ({saved['bytes'] / 1e6:.1f} MB) in "
                  f"{saved['save_s']:.2f} s, loaded in {saved['load_s']:.2f} s")

@@ -10,6 +10,7 @@ tensor's name, shape and dtype is checked against the model's before the first i
 raises one Glm5Error naming the tensor or file.
 """
 
+import bisect
 import hashlib
 import json
 import logging
@@ -158,6 +159,35 @@ def read_into_memory(path: Path) -> dict[str, np.ndarray]:
             array.flags.writeable = False
             arrays[name] = array
     return arrays
+
+
+def huge_pages(arrays: list[np.ndarray]) -> tuple[int, int] | None:
+    """(bytes mapped, bytes in transparent huge pages) of the memory mappings that hold `arrays` (read_into_memory's
+    ask for huge pages; a file's map gets none), from /proc/self/smaps; None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    spans = []  # the arrays' address ranges, merged: sorted and disjoint
+    for start, end in sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays if a.nbytes):
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    starts = [start for start, _ in spans]
+    mapped = huge = 0
+    holds = False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms offset ...
+            begin, end = (int(x, 16) for x in head.split("-"))
+            i = bisect.bisect_left(starts, end) - 1  # the last span starting below the mapping's end
+            holds = i >= 0 and spans[i][1] > begin  # (a mapping may hold part of an array: madvise splits them)
+            mapped += (end - begin) if holds else 0
+        elif holds and line.startswith("AnonHugePages:"):
+            huge += int(line.split()[1]) * 1024
+    return mapped, huge
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -162,6 +162,9 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     bound = r["host_bound"]  # the CPU experts' bytes a token at the host's read bandwidth
     assert bound["expert_bytes_per_token"] > 0 and bound["host_read_gb_s"] > 0 and 0 < bound["of_bound"]
     assert "host-bandwidth bound" in table
+    # the tiny model's int4 experts read into memory of their own: its mappings, some of it perhaps in huge pages
+    assert bound["experts_mapped_bytes"] > 0 and 0 <= bound["experts_huge_page_bytes"] <= bound["experts_mapped_bytes"]
+    assert "the CPU experts' memory" in table
     saved = r["saved_context"]  # the prefilled context saved and loaded back
     assert saved["tokens"] == 40 and saved["bytes"] > 40 * 5 * 64 and saved["save_s"] > 0 and saved["load_s"] > 0
     assert "context of 40 tokens saved" in table

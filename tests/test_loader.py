@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import shutil
 
 import numpy as np
@@ -198,6 +199,21 @@ def test_a_memory_map_refuses_dtypes_the_stores_never_write(tmp_path):
     for read in (memory_map, read_into_memory):
         with pytest.raises(Glm5Error, match="tensor x has dtype F16, not one of I8, U8, U16, I32, F32"):
             read(tmp_path / "f16.safetensors")
+
+
+def test_huge_pages_counts_the_mappings_holding_the_arrays(tmp_path):
+    """checkpoint.huge_pages: the mappings of arrays read into memory of their own (each at least its bytes, at
+    most what the process maps), those in huge pages among them; a heap array's mapping counts too; none: 0."""
+    from glm5_offload import checkpoint
+
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("no /proc/self/smaps here")
+    save_file({"a": torch.randint(0, 255, (6 << 20,), dtype=torch.uint8)}, tmp_path / "t.safetensors")
+    a = checkpoint.read_into_memory(tmp_path / "t.safetensors")["a"]
+    mapped, huge = checkpoint.huge_pages([a])
+    assert 6 << 20 <= mapped < 1 << 40 and 0 <= huge <= mapped and huge % (2 << 20) == 0  # whole 2 MiB pages
+    assert checkpoint.huge_pages([]) == (0, 0)
+    assert checkpoint.huge_pages([np.ones(1 << 20)])[0] >= 8 << 20
 
 
 def test_a_store_read_into_memory_holds_the_files_values(tmp_path, monkeypatch):
