@@ -93,13 +93,15 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
     """Decode per token of each target: the fixed part plus its MoE layers times one MoE layer's step where two
     layer counts were measured (marginal_layer), else the whole measured step per MoE layer (conservative). A
     marginal layer cheaper than its experts' bytes at the read bandwidth is the two runs' noise, not a speed: that
-    row takes the conservative basis (and says so)."""
+    row takes the conservative basis (and says so). A context beyond a target's max_position_embeddings has no row."""
     rows = []
     for target in TARGETS:
         config = load_config(target)
         moe = len(config.moe_layers)
         bound_ms = None if fmt is None else nbytes(config.active_expert_weights, *fmt) / read_gb_s / 1e6
         for i, r in enumerate(results):
+            if r["context"] > config.max_position_embeddings:  # GLM-5 at 1M: only GLM-5.2 reaches it
+                continue
             basis = "marginal" if marginal else "whole step"
             if marginal and bound_ms is not None and marginal[i]["moe_layer_ms"] * moe < bound_ms:
                 basis = "whole step (marginal below the bound: noise)"

@@ -32,6 +32,7 @@ def wait_reference(given: torch.Tensor, waited: torch.Tensor):
 class HostSignal:
     def __init__(self, device: torch.device):
         self.given = torch.zeros(1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._given = self.given.numpy()  # written through numpy: 0.2 us a signal, torch's indexing 5 us
         self.waited = torch.zeros(1, dtype=torch.int64, device=device)
 
     def wait(self):
@@ -40,7 +41,7 @@ class HostSignal:
 
     def give(self):
         """The next signal: whatever the host wrote before is there for the work queued after its wait."""
-        self.given[0] += 1
+        self._given[0] += 1
 
     def release(self):
         """After a step given up half way (an error, Ctrl-C): every wait queued lets go, then both counts agree again

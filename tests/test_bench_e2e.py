@@ -1,5 +1,5 @@
 """bench/bench_e2e.py: the decode projection (a marginal layer measured below the host-bandwidth bound, the two runs'
-noise, is not projected from), and decode after a filled context (--filled)."""
+noise, is not projected from; nor is a context beyond the target's window), and decode after a filled context (--filled)."""
 
 import sys
 from pathlib import Path
@@ -24,6 +24,12 @@ def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
         assert 0 < row["of_bound"] < 1
     for row in noise:
         assert row["basis"].startswith("whole step") and row["projected_ms_per_token"] == 6.0 * 75
+
+
+def test_a_context_beyond_a_targets_window_is_not_projected_for_it():
+    results = [{"context": 4096, "decode_ms_per_token": 6.0}, {"context": 1048448, "decode_ms_per_token": 7.0}]
+    rows = bench_e2e.projection(results, 1, ("int4", 128), 100.0)
+    assert [(r["target"], r["context"]) for r in rows] == [("glm-5", 4096), ("glm-5.2", 4096), ("glm-5.2", 1048448)]
 
 
 def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):

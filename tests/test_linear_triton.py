@@ -107,8 +107,16 @@ def test_activations_quantise_in_one_kernel_as_the_reference_does():
     x[9, 3], x[9, 140], x[10, 290] = float("inf"), -float("inf"), float("inf")  # inf / inf: NaN, the rest of it 0
     x8, scales = linear_triton.quantize_activations(x.to(DEVICE, torch.bfloat16))
     want8, want_scales = fp8_blocks.quantize_activations(x.bfloat16())
-    assert torch.equal(x8.view(torch.uint8).cpu(), want8.view(torch.uint8))
+    got, want = e4m3_bits(x8), e4m3_bits(want8)
+    assert torch.equal(got, want), f"{(got != want).sum()} bytes differ, first at {(got != want).nonzero()[:4].tolist()}"
     assert torch.equal(scales.cpu(), want_scales) and scales.stride() == (1, 37)
+
+
+def e4m3_bits(x8: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes with NaN's sign cleared: inf / inf is a NaN of either sign (x86 makes it negative, a GPU
+    positive), and no reader looks at it."""
+    bits = x8.view(torch.uint8).cpu()
+    return torch.where((bits & 0x7F) == 0x7F, 0x7F, bits)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not linear_triton.has_blockwise_fp8_mm(torch.device("cuda")),
