@@ -265,6 +265,9 @@ def cmd_plan(args):
         budgets["cpu"] = parse_size(args.host_mem, "--host-mem")
     if args.max_seq_len <= 0:
         raise Glm5Error(f"--max-seq-len must be > 0, got {args.max_seq_len}")
+    if args.max_seq_len > config.max_position_embeddings:  # the engine refuses it too
+        raise Glm5Error(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings "
+                        f"{config.max_position_embeddings} ({config.path})")
     plan = make_plan(config, placement, args.max_seq_len, budgets, kv_dtype=args.kv_dtype,
                      expert_format=args.expert_format, dtype=dtype)
     print(plan.table())

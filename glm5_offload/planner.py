@@ -87,9 +87,15 @@ class Plan:
             lines.append(f"{d.device:<8} {human_bytes(d.weights):>12} {human_bytes(d.latent_kv):>12} {human_bytes(d.indexer_keys):>12} "
                          f"{human_bytes(d.activations):>12} {human_bytes(d.workspace):>12} {human_bytes(d.total):>12} {budget:>12}  {verdict}")
         lines.append("")
-        lines.append(("fits" if self.fits else "does NOT fit") +
-                     f"; largest context that fits: {self.largest_context} tokens")
+        lines.append(("fits" if self.fits else "does NOT fit") + f"; largest context that fits: {self.largest()}")
         return "\n".join(lines)
+
+    def largest(self) -> str:
+        """The largest context in words: its tokens, or why there is none."""
+        over = [d.device for d in self.devices if d.budget is not None and d.fixed > d.budget]
+        if over:
+            return f"none: the weights and buffers alone are over the budget of {', '.join(over)}"
+        return f"{self.largest_context} tokens"
 
 
 class PlanError(Glm5Error):
@@ -100,7 +106,7 @@ class PlanError(Glm5Error):
         over = [d for d in plan.devices if not d.fits]
         super().__init__("the model does not fit: " + ", ".join(
             f"{d.device} needs {d.total / 2**30:.1f} GiB of {d.budget / 2**30:.1f} GiB" for d in over)
-            + f"; largest context that fits: {plan.largest_context} tokens")
+            + f"; largest context that fits: {plan.largest()}")
 
 
 def make_plan(config: ModelConfig, placement: Placement, max_seq_len: int, budgets: dict[str, int | None],

@@ -136,6 +136,18 @@ def test_plan_command():
     assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
 
 
+def test_plan_says_why_no_context_fits_and_refuses_one_beyond_the_models_positions():
+    small = glm5("plan", "--model", "glm-5.2", "--max-seq-len", 4096, "--gpu-mem", "24GiB", "--host-mem", "64GiB",
+                 check=False)
+    assert small.returncode == 1
+    assert "largest context that fits: none: the weights and buffers alone are over the budget of cpu" in small.stdout
+    beyond = glm5("plan", "--model", "glm-5", "--max-seq-len", 300000, "--gpu-mem", "24GiB", "--host-mem", "512GiB",
+                  check=False)
+    assert beyond.returncode != 0 and not beyond.stdout
+    assert beyond.stderr.strip().splitlines()[-1].startswith(
+        "glm5: error: --max-seq-len 300000 exceeds the model's max_position_embeddings 202752")
+
+
 def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
     import glm5_offload.loader as loader
 
