@@ -1,11 +1,13 @@
 """bench/bench_e2e.py: the decode projection (a marginal layer measured below the host-bandwidth bound, the two runs'
-noise, is not projected from; nor is a context beyond the target's window), and decode after a filled context (--filled)."""
+noise, is not projected from; nor is a context beyond the target's window), decode after a filled context (--filled)
+and the median of several loads (--repeats)."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import bench_e2e  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from glm5_offload.loader import load_model  # noqa: E402
@@ -44,3 +46,16 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
     assert tiered and all(store.end == 152 for store in tiered)
     logits = engine.model(torch.tensor([1]), engine.cache, logits_for="last")
     assert torch.isfinite(logits).all()
+
+
+def test_repeats_keep_the_median_load_whole(capsys):
+    """--repeats: of several loads the median one's figures, its split with its total (not a mix of loads)."""
+    trials = [({"decode_ms_per_token": ms, "graph_split_ms_per_token": {"experts": ms - 1}}, ("int4", 128))
+              for ms in (3.4, 2.9, 3.1, 5.0)]
+    result, fmt = bench_e2e.median_trial(trials)
+    assert result == {"decode_ms_per_token": 3.1, "graph_split_ms_per_token": {"experts": 2.1}} and fmt == ("int4", 128)
+    prefill = bench_e2e.median_trial([({"prefill_split_s": {"indexer": s, "experts": 1.0}}, None) for s in (4.0, 2.0, 3.0)])
+    assert bench_e2e.trial_ms(prefill[0]) == 4000.0
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--dir", "unused", "--repeats", "0"])
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
