@@ -54,7 +54,8 @@ def test_repeats_keep_the_median_load_whole(capsys):
               for ms in (3.4, 2.9, 3.1, 5.0)]
     result, fmt = bench_e2e.median_trial(trials)
     assert result == {"decode_ms_per_token": 3.1, "graph_split_ms_per_token": {"experts": 2.1}} and fmt == ("int4", 128)
-    prefill = bench_e2e.median_trial([({"prefill_split_s": {"indexer": s, "experts": 1.0}}, None) for s in (4.0, 2.0, 3.0)])
+    prefill = bench_e2e.median_trial([({"prefill_split_s": {"indexer": s, "experts": 1.0}}, None)
+                                      for s in (4.0, 2.0, 3.0)])
     assert bench_e2e.trial_ms(prefill[0]) == 4000.0
     with pytest.raises(SystemExit):
         bench_e2e.main(["--dir", "unused", "--repeats", "0"])
