@@ -82,10 +82,17 @@ def _rules(args, run: bool, model_type: str):
     return load_rules(default), device
 
 
-def _engine(args, tokenizer_required: bool, chat: bool = False):
+def _check_positions(config, max_seq_len: int, source: str):
+    """A context the model's positions reach (the engine refuses a longer one; here before any weight is read)."""
+    if max_seq_len > config.max_position_embeddings:
+        raise Glm5Error(f"{source} {max_seq_len} exceeds the model's max_position_embeddings "
+                        f"{config.max_position_embeddings} ({config.path})")
+
+
+def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from: str = "--max-seq-len"):
     """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags. Every
     flag and the config are checked before the tokenizer or any weight is read; chat: the tokenizer must have a
-    chat template (chat, serve)."""
+    chat template (chat, serve). max_seq_len_from: what set args.max_seq_len, named where the model refuses it."""
     import torch
 
     from glm5_offload.config import load_config
@@ -110,6 +117,7 @@ def _engine(args, tokenizer_required: bool, chat: bool = False):
         torch.set_num_threads(args.cpu_threads)
         numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))
     max_seq_len = args.max_seq_len or config.max_position_embeddings
+    _check_positions(config, max_seq_len, max_seq_len_from)
     tokenizer = _tokenizer(model_dir, required=tokenizer_required)
     if chat and tokenizer.chat_template is None:
         raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
@@ -194,9 +202,11 @@ def cmd_bench(args):
 
     if args.context < 1 or args.new_tokens < 1:
         raise Glm5Error(f"--context and --new-tokens must be >= 1, got {args.context} and {args.new_tokens}")
+    source = "--max-seq-len"
     if args.max_seq_len is None:
         args.max_seq_len = args.context + 2 * args.new_tokens  # the split's run extends the first one
-    engine, _, _, _, _ = _engine(args, tokenizer_required=False)
+        source = f"--context {args.context} + 2 x --new-tokens {args.new_tokens} ="
+    engine, _, _, _, _ = _engine(args, tokenizer_required=False, max_seq_len_from=source)
     result = run_benchmark(engine, args.context, args.new_tokens, seed=args.seed or 0)
     print(format_table(result))
     if args.json:
@@ -265,9 +275,7 @@ def cmd_plan(args):
         budgets["cpu"] = parse_size(args.host_mem, "--host-mem")
     if args.max_seq_len <= 0:
         raise Glm5Error(f"--max-seq-len must be > 0, got {args.max_seq_len}")
-    if args.max_seq_len > config.max_position_embeddings:  # the engine refuses it too
-        raise Glm5Error(f"--max-seq-len {args.max_seq_len} exceeds the model's max_position_embeddings "
-                        f"{config.max_position_embeddings} ({config.path})")
+    _check_positions(config, args.max_seq_len, "--max-seq-len")
     plan = make_plan(config, placement, args.max_seq_len, budgets, kv_dtype=args.kv_dtype,
                      expert_format=args.expert_format, dtype=dtype)
     print(plan.table())

@@ -302,3 +302,18 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path):
     finally:
         proc.kill()  # a no-op once it has exited
     assert proc.returncode == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "glm5: interrupted"
+
+
+@pytest.mark.parametrize("args, source", [
+    (["generate", "--prompt", "hi", "--max-seq-len", 5000], "--max-seq-len 5000"),
+    (["chat", "--max-seq-len", 5000], "--max-seq-len 5000"),
+    (["bench", "--context", 5000, "--new-tokens", 2], "--context 5000 + 2 x --new-tokens 2 = 5004"),
+])
+def test_a_context_beyond_the_models_positions_is_refused_before_any_weight_is_read(tiny_dir, tmp_path, args, source):
+    path = broken_copy(tiny_dir, tmp_path)
+    for shard in path.glob("*.safetensors"):  # a weight read would fail on these
+        shard.write_bytes(b"")
+    proc = glm5(args[0], "--model", path, *args[1:], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    want = f"glm5: error: {source} exceeds the model's max_position_embeddings 4096 ({path / 'config.json'})"
+    assert proc.stderr.strip().splitlines()[-1] == want
