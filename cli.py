@@ -82,13 +82,6 @@ def _rules(args, run: bool, model_type: str):
     return load_rules(default), device
 
 
-def _check_positions(config, max_seq_len: int, source: str):
-    """A context the model's positions reach (the engine refuses a longer one; here before any weight is read)."""
-    if max_seq_len > config.max_position_embeddings:
-        raise Glm5Error(f"{source} {max_seq_len} exceeds the model's max_position_embeddings "
-                        f"{config.max_position_embeddings} ({config.path})")
-
-
 def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from: str = "--max-seq-len"):
     """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags. Every
     flag and the config are checked before the tokenizer or any weight is read; chat: the tokenizer must have a
@@ -117,7 +110,7 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
         torch.set_num_threads(args.cpu_threads)
         numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))
     max_seq_len = args.max_seq_len or config.max_position_embeddings
-    _check_positions(config, max_seq_len, max_seq_len_from)
+    config.check_positions(max_seq_len, max_seq_len_from)  # before the tokenizer (load_model checks it too)
     tokenizer = _tokenizer(model_dir, required=tokenizer_required)
     if chat and tokenizer.chat_template is None:
         raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
@@ -275,7 +268,7 @@ def cmd_plan(args):
         budgets["cpu"] = parse_size(args.host_mem, "--host-mem")
     if args.max_seq_len <= 0:
         raise Glm5Error(f"--max-seq-len must be > 0, got {args.max_seq_len}")
-    _check_positions(config, args.max_seq_len, "--max-seq-len")
+    config.check_positions(args.max_seq_len, "--max-seq-len")
     plan = make_plan(config, placement, args.max_seq_len, budgets, kv_dtype=args.kv_dtype,
                      expert_format=args.expert_format, dtype=dtype)
     print(plan.table())

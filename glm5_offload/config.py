@@ -119,6 +119,12 @@ class ModelConfig:
         """Routed-expert weights one decode token reads: MoE layers x top-k x 3 matrices (22.6 G for GLM-5)."""
         return len(self.moe_layers) * self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
 
+    def check_positions(self, max_seq_len: int, source: str = "max_seq_len"):
+        """A context the model's positions reach; source: what set it, named in the error."""
+        if max_seq_len > self.max_position_embeddings:
+            raise Glm5Error(f"{source} {max_seq_len} exceeds the model's max_position_embeddings "
+                            f"{self.max_position_embeddings} ({self.path})")
+
 
 class _Fields:
     """Typed access to the raw JSON dict; every failure names the file and the field."""

@@ -52,6 +52,7 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
         log.warning("%s: no rule placed %d modules (%s first): their reference operators run on %s", rules.path,
                     len(placement.unmatched), placement.unmatched[0], placement.default_device)
     if max_seq_len is not None:
+        config.check_positions(max_seq_len)
         limits = {k: v for k, v in (budgets or {}).items() if v is not None}
         plan = make_plan(config, placement, max_seq_len, {**detected_budgets(), **limits}, dtype=dtype, kv_dtype=kv_dtype)
         if not plan.fits:

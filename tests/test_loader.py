@@ -179,6 +179,13 @@ def test_missing_shard_file(ckpt):
     assert FIRST_SHARD in message and "missing" in message
 
 
+def test_a_context_beyond_the_models_positions_is_refused_before_any_shard_is_read(ckpt):
+    (ckpt / FIRST_SHARD).unlink()  # a read would fail on it
+    with pytest.raises(Glm5Error) as e:
+        load_model(ckpt, max_seq_len=5000)
+    assert str(e.value) == f"max_seq_len 5000 exceeds the model's max_position_embeddings 4096 ({ckpt / 'config.json'})"
+
+
 def test_pickle_checkpoints_are_never_loaded(tmp_path, tiny_dir):
     shutil.copy(tiny_dir() / "config.json", tmp_path / "config.json")
     torch.save({"x": torch.ones(1)}, tmp_path / "pytorch_model.bin")

@@ -92,9 +92,7 @@ class Engine:
         """cuda_graphs: decode from CUDA graphs where the placement allows it (decode_graphs.py); False: eager."""
         self.model = model
         self.max_seq_len = max_seq_len or model.config.max_position_embeddings
-        if self.max_seq_len > model.config.max_position_embeddings:
-            raise Glm5Error(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings "
-                            f"{model.config.max_position_embeddings}")
+        model.config.check_positions(self.max_seq_len)
         self.prefill_chunk = prefill_chunk
         self.stop_ids = set(model.config.eos_token_ids)
         self.cache = None
