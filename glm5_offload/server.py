@@ -3,7 +3,8 @@
 POST /v1/chat/completions (plain JSON, or server-sent events with "stream": true), GET /v1/models,
 GET /health. Requests queue on a lock and run one at a time; the engine's cache carries over, so a
 request that extends the previous conversation prefills only what is new. A client that goes away
-mid-stream stops its generation at the next token. Errors are JSON with the OpenAI error shape, for every
+mid-stream stops its generation at the next token. Text only: fields that would change the reply and are not
+implemented (tools, JSON mode, log probabilities, penalties) are refused, never dropped. Errors are JSON with the OpenAI error shape, for every
 method and route; a body over MAX_BODY bytes, or one that does not arrive within TIMEOUT seconds, is refused.
 """
 
@@ -41,9 +42,53 @@ def _number(body, name, kind, default, low=None, high=None, low_open=False):
     if not ok or (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         bounds = f" in {'(' if low_open else '['}{low}, {high}]" if low is not None and high is not None else (
             f" >= {low}" if low is not None else "")
-        raise RequestError(400, f"'{name}' must be a {'number' if kind is float else 'integer'}{bounds}, got {value!r}",
+        raise RequestError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}{bounds}, got {value!r}",
                            name)
     return value
+
+
+# Request fields that would change the reply, with the values this server honours (a falsy one: the field's
+# default) and what it does instead: refused, never dropped.
+UNSUPPORTED = {
+    "tools": (lambda v: v == [], "calls no tools (the model would answer without them)"),
+    "functions": (lambda v: v == [], "calls no tools (the model would answer without them)"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "calls no tools"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "does not constrain the reply to JSON (only {'type': 'text'})"),
+    "logprobs": (lambda v: v is False, "returns no log probabilities"),
+    "top_logprobs": (lambda v: v == 0, "returns no log probabilities"),
+    "frequency_penalty": (lambda v: v == 0, "applies no penalties (0 only)"),
+    "presence_penalty": (lambda v: v == 0, "applies no penalties (0 only)"),
+    "logit_bias": (lambda v: v == {}, "applies no logit bias"),
+}
+
+
+CONTENT = "'content': a string or a list of text parts"
+
+
+def _text_content(m, i: int) -> str:
+    """messages[i]'s text: its string content, or its text parts joined by newlines; anything else refused."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise RequestError(400, f"{where} must be an object with 'role' ({', '.join(ROLES)}) and {CONTENT}", where)
+    if m.get("tool_calls"):
+        raise RequestError(400, f"{where}.tool_calls is not supported: this server calls no tools", where)
+    content = m.get("content")
+    if isinstance(content, list) and content:
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"{where}.content[{j}] must be a text part {{'type': 'text', 'text': str}}"
+                                        + (f": '{kind}' parts are not supported (text only)"
+                                           if isinstance(kind, str) and kind != "text" else ""), where)
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise RequestError(400, f"{where} must be an object with 'role' ({', '.join(ROLES)}) and {CONTENT}", where)
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, f"{where}.content is not valid Unicode (a lone surrogate)", where) from None
+    return content
 
 
 def parse_request(body, default_max_tokens: int, defaults: SamplingParams = SamplingParams(),
@@ -57,15 +102,10 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise RequestError(400, f"messages[{i}] must be an object with 'role' ({', '.join(ROLES)}) and "
-                                    "string 'content'", f"messages[{i}]")
-        try:
-            m["content"].encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError(400, f"messages[{i}].content is not valid Unicode (a lone surrogate)",
-                               f"messages[{i}]") from None
+    for name, (honoured, what) in UNSUPPORTED.items():
+        if body.get(name) is not None and not honoured(body[name]):
+            raise RequestError(400, f"'{name}' is not supported: this server {what}", name)
+    messages = [{**m, "content": _text_content(m, i)} for i, m in enumerate(messages)]
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -85,7 +125,7 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
     params = SamplingParams(
         temperature=_number(body, "temperature", float, defaults.temperature, 0, 2),
         top_p=_number(body, "top_p", float, defaults.top_p, 0, 1, low_open=True),
-        top_k=defaults.top_k,
+        top_k=_number(body, "top_k", int, defaults.top_k, 0),  # vLLM's and llama.cpp's extension
         seed=_number(body, "seed", int, defaults.seed, -(2**63), 2**63 - 1),
     )
     thinking = body.get("enable_thinking", True)

@@ -11,7 +11,7 @@ import pytest
 
 from glm5_offload.loader import load_model
 from glm5_offload.runtime.engine import Engine
-from glm5_offload.server import make_server
+from glm5_offload.server import make_server, parse_request
 
 openai = pytest.importorskip("openai")  # a test dependency; absent on the GPU machine
 
@@ -152,6 +152,62 @@ def test_hostile_requests_get_a_json_error(server, client, body, status, param):
     got, payload = post(server, body)
     assert got == status and payload["error"]["param"] == param and payload["error"]["message"]
     assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_text_parts_are_the_string_they_join(client):
+    joined = [{"role": "user", "content": "Hello!\nHow are you?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello!"}, {"type": "text", "text": "How are you?"}]}]
+    a, b = (client.chat.completions.create(model="tiny-glm5", messages=m, max_tokens=6, temperature=0,
+                                           extra_body=NO_THINK) for m in (joined, parts))
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_top_k_one_is_greedy(client):
+    greedy, top1 = (client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=8, temperature=t,
+                                                   seed=5, extra_body={**NO_THINK, **extra})
+                    for t, extra in ((0, {}), (1.5, {"top_k": 1})))
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}),
+    ("logprobs", True),
+    ("top_logprobs", 3),
+    ("frequency_penalty", 0.5),
+    ("presence_penalty", -1),
+    ("logit_bias", {"42": 100}),
+    ("top_k", -1),
+])
+def test_fields_that_would_change_the_reply_are_refused(server, field, value):
+    status, payload = post(server, json.dumps({"messages": HELLO, field: value, "max_tokens": 2}).encode())
+    assert status == 400 and payload["error"]["param"] == field and field in payload["error"]["message"]
+
+
+def test_their_defaults_are_accepted(server):
+    defaults = {"tools": [], "tool_choice": "auto", "response_format": {"type": "text"}, "logprobs": False,
+                "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "top_k": 0}
+    status, payload = post(server, json.dumps({"messages": HELLO, "max_tokens": 2, **defaults}).encode())
+    assert status == 200 and payload["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, ["content[0]", "image_url"]),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, ["content[0]", "text part"]),
+    ({"role": "user", "content": []}, ["list of text parts"]),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}, ["tool_calls"]),
+])
+def test_content_other_than_text_is_refused(server, message, words):
+    status, payload = post(server, json.dumps({"messages": [message], "max_tokens": 2}).encode())
+    assert status == 400 and payload["error"]["param"] == "messages[0]"
+    assert all(w in payload["error"]["message"] for w in words), payload
+
+
+def test_a_message_keeps_its_other_keys():
+    messages = parse_request({"messages": [{"role": "assistant", "content": [{"type": "text", "text": "x"}],
+                                            "reasoning_content": "why"}]}, 8)[0]
+    assert messages == [{"role": "assistant", "content": "x", "reasoning_content": "why"}]
 
 
 def raw_request(server, head: bytes, body: bytes = b"") -> tuple[int, dict | None]:
