@@ -212,6 +212,11 @@ def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True
         line = line.strip()
         if not line:
             continue
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes the terminal could not decode arrive as lone surrogates
+            print(f"error: the line is not valid UTF-8 (at character {e.start + 1}); nothing was sent", file=out)
+            continue
         if line.startswith("/"):
             command, _, arg = line.partition(" ")
             arg = arg.strip()

@@ -6,6 +6,7 @@ import pty
 import re
 import select
 import signal
+import subprocess
 import sys
 import time
 
@@ -199,3 +200,14 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
     term.send("/stats\r")
     term.expect(r"turns 1,")
     assert term.quit() == 0
+
+
+def test_lines_piped_in_that_are_not_utf8(tiny_dir):
+    """Input from a pipe (no terminal, no readline): a line that is not UTF-8 gets one error line, the rest runs."""
+    done = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "chat", "--model", str(tiny_dir()),
+                           "--temperature", "0", "--max-new-tokens", "3", "--no-think"],
+                          input=b"caf\xe9 au lait\nHi\n/stats\n", capture_output=True, env=cli_env({}), timeout=300)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert "error: the line is not valid UTF-8 (at character 4); nothing was sent" in out
+    assert "turns 1," in out and len(STATS.findall(out)) == 1
