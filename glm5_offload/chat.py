@@ -125,6 +125,11 @@ class Conversation:
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):
             raise Glm5Error(f"{path}: 'messages' must be a list of {{role, content}} objects, role one of "
                             f"{', '.join(ROLES)}")
+        for i, m in enumerate(messages):
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError:  # JSON's \ud800 escapes: text no tokenizer takes
+                raise Glm5Error(f"{path}: messages[{i}].content is not valid Unicode (a lone surrogate)") from None
         context = Path(path + CONTEXT_SUFFIX)
         history = data.get("history_ids")
         self.history_ids, self.rendered, self.messages = [], "", messages

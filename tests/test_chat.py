@@ -181,10 +181,13 @@ def test_no_think_turns_thinking_off(tiny_dir):
 
 
 def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
-    """/save where it cannot write, /load of a file that is not UTF-8 or names an unknown role: one error line each,
+    """/save where it cannot write, /load of a file that is not UTF-8, names an unknown role or holds a lone
+    surrogate: one error line each,
     and the conversation goes on."""
     (tmp_path / "latin1.json").write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}')
     (tmp_path / "role.json").write_text(json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}))
+    (tmp_path / "surrogate.json").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                             '{"role": "assistant", "content": "x \\ud800"}]}')
     term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3, "--no-think")
     term.expect(r"\n> ")
     term.send("Hi\r")
@@ -192,7 +195,8 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
     for command, error in ((f"/save {tmp_path}/no/such/dir/x.json", r"cannot write the conversation"),
                            (f"/save {tmp_path}", r"cannot write the conversation \(Is a directory\)"),
                            (f"/load {tmp_path}/latin1.json", r"cannot read a saved conversation"),
-                           (f"/load {tmp_path}/role.json", r"role one of system, user, assistant")):
+                           (f"/load {tmp_path}/role.json", r"role one of system, user, assistant"),
+                           (f"/load {tmp_path}/surrogate.json", r"messages\[1\]\.content is not valid Unicode")):
         term.expect(r"\n> ")
         term.send(command + "\r")
         term.expect(r"error: .*" + error)
