@@ -4,6 +4,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,10 +55,12 @@ def _prompt_ids(text: str) -> list[int]:
 def cmd_make_tiny(args):
     from glm5_offload.tiny import make_tiny
 
-    if args.layers < 1:
-        raise Glm5Error(f"--layers must be >= 1, got {args.layers}")
-    path = make_tiny(args.dir, arch=args.arch, fp8=args.fp8, seed=args.seed, preset=args.preset, layers=args.layers)
-    what = f"{args.preset}-shaped, {args.layers} layers" if args.preset else f"tiny {args.arch}"
+    if args.layers is not None and not args.preset:
+        raise Glm5Error("--layers needs --preset (each tiny --arch has its own layers)")
+    layers = 4 if args.layers is None else args.layers
+    path = make_tiny(args.dir, arch=args.arch, fp8=args.fp8, seed=args.seed, preset=args.preset, layers=layers,
+                     overwrite=args.overwrite)
+    what = f"{args.preset}-shaped, {layers} layers" if args.preset else f"tiny {args.arch}"
     print(f"wrote a {what}{' FP8' if args.fp8 else ''} checkpoint (seed {args.seed}) to {path}")
 
 
@@ -293,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", help="real dims of this config (glm-5, glm-5.2, deepseek-v3.2, or a config.json), "
                                     "cut to --layers layers, with the tiny vocabulary")
-    p.add_argument("--layers", type=int, default=4, help="with --preset: decoder layers (the first dense)")
+    p.add_argument("--layers", type=int, default=None, help="with --preset: decoder layers (the first dense; default 4)")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
     p.set_defaults(func=cmd_make_tiny)
 
     def engine_args(p, temperature: float, top_p: float, max_new_tokens: int):
@@ -386,12 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     # the engine's own messages from INFO up; other libraries' from WARNING (torch logs cache statistics at INFO as
     # a process exits, which a Ctrl-C during its import would print after "interrupted")
     logging.basicConfig(level=logging.WARNING, format="glm5: %(message)s", stream=sys.stderr)
     logging.getLogger("glm5_offload").setLevel(logging.INFO)
     args = build_parser().parse_args(argv)
+    # SIGTERM (kill, systemd, docker stop) ends the command as an exit does: its cleanups run (serve keeps its
+    # context, make-tiny removes its unfinished folder), where the default action would end the process at once
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args) or 0
     except Glm5Error as e:

@@ -23,8 +23,9 @@ from tqdm import tqdm
 from .checkpoint import stored_name
 from .config import load_config, parse_config
 from .formats import fp8_blocks
+from .errors import Glm5Error
 from .model import build_model, keeps_fp32
-from .util import cache_dir
+from .util import cache_dir, human_bytes
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "glm5_next")
 SPECIAL_TOKENS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
@@ -209,8 +210,9 @@ def shaped_config(preset: str, layers: int, overrides: dict | None = None) -> di
     layer from the 4th."""
     path = Path(load_config(preset).path)
     config = json.loads(path.read_text())
-    if layers < 1:
-        raise ValueError(f"layers must be >= 1, got {layers}")
+    total = config.get("text_config", config)["num_hidden_layers"]
+    if not 1 <= layers <= total:
+        raise Glm5Error(f"--layers must be from 1 to {preset}'s {total} layers, got {layers}")
     eos = [SPECIAL_TOKENS.index(t) for t in EOS_TOKENS]
     config.pop("quantization_config", None)  # FP8 is the fp8 flag's to say
     if "text_config" in config:
@@ -251,14 +253,40 @@ def save_tokenizer(out_dir: Path):
     fast.save_pretrained(str(out_dir))
 
 
+def stored_bytes(name: str, shape: tuple, fp8: bool) -> int:
+    """What `stored` writes for a weight of this shape, in bytes (FP8 blocks with their scales, fp32 or bf16)."""
+    numel = torch.Size(shape).numel()
+    if fp8 and is_fp8_projection(name):
+        return numel + 4 * -(-shape[0] // fp8_blocks.BLOCK[0]) * -(-shape[1] // fp8_blocks.BLOCK[1])
+    return numel * (4 if keeps_fp32(name) else 2)
+
+
+def check_out_dir(out_dir: Path, overwrite: bool, needed: int) -> None:
+    """A folder make_tiny may write: new or empty (or, with overwrite, a folder to replace), on a disk with room for
+    `needed` bytes. Never a file, never someone's folder replaced unasked."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise Glm5Error(f"{out_dir}: exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise Glm5Error(f"{out_dir}: the folder is not empty; make-tiny writes a new one (--overwrite replaces it)")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Glm5Error(f"{out_dir}: cannot create its folder ({e.strerror})") from None
+    free = shutil.disk_usage(out_dir.parent).free
+    if needed > free:
+        raise Glm5Error(f"{out_dir}: the checkpoint needs {human_bytes(needed)}, its disk has {human_bytes(free)} free")
+
+
 def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False, seed: int = 0,
-              preset: str | None = None, layers: int = 4, overrides: dict | None = None) -> Path:
+              preset: str | None = None, layers: int = 4, overrides: dict | None = None,
+              overwrite: bool = False) -> Path:
     """Write a random checkpoint into out_dir (built in a temporary folder, then moved): the tiny config of
     `arch`, or with `preset` a published config's real dims cut to `layers` layers (`overrides`: config.json
     keys set after the cut, e.g. which layers are dense or share an indexer). One shard per layer,
     generated and written a layer at a time (a GLM-5 MoE layer is 19 GB in bf16, 9.7 GB in FP8). The tiny
     checkpoints draw every tensor from one seeded stream, in order; a preset's tensors each from a stream
-    seeded by the seed and the tensor's name, on every core (one stream would take minutes per layer)."""
+    seeded by the seed and the tensor's name, on every core (one stream would take minutes per layer). An existing
+    out_dir that is not empty is refused unless overwrite, as is a disk without room for the checkpoint."""
     out_dir = Path(out_dir)
     config = tiny_config(arch) if preset is None else shaped_config(preset, layers, overrides)
     if fp8:
@@ -267,9 +295,12 @@ def make_tiny(out_dir: str | Path, arch: str = "glm_moe_dsa", fp8: bool = False,
     parsed = parse_config(config, "tiny config")
     shapes = {stored_name(parsed, n): tuple(t.shape) for n, t in build_model(parsed).state_dict().items()}
     groups = layer_groups(list(shapes))
+    check_out_dir(out_dir, overwrite, sum(stored_bytes(n, shape, fp8) for n, shape in shapes.items()))
     gen = torch.Generator().manual_seed(seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise Glm5Error(f"{out_dir}: cannot write in {out_dir.parent} ({e.strerror})") from None
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         weight_map, total = {}, 0
@@ -306,5 +337,5 @@ def default_model_dir() -> Path:
 def ensure_default_model() -> Path:
     path = default_model_dir()
     if not (path / "config.json").is_file():
-        make_tiny(path)
+        make_tiny(path, overwrite=True)  # the cache's own folder: whatever is there without a config is a leftover
     return path

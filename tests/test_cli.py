@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from glm5_offload.benchmark import prefill_projection
 from glm5_offload.config import load_config
+from glm5_offload.errors import Glm5Error
 from glm5_offload.tiny import shaped_config, tiny_config
 from glm5_offload.runtime.kv_cache import new_cache
 
@@ -34,6 +35,46 @@ def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
     shard = sorted(shards)[1]
     first, second = load_file(out / shard), load_file(again / shard)
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_make_tiny_never_replaces_a_folder_unasked(tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"precious")
+    (tmp_path / "afile").write_text("x")
+    for target, error in ((folder, "the folder is not empty; make-tiny writes a new one (--overwrite replaces it)"),
+                          (tmp_path / "afile", "exists and is not a folder")):
+        proc = glm5("make-tiny", target, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"glm5: error: {target}: {error}"
+    assert (folder / "weights.bin").read_bytes() == b"precious" and (tmp_path / "afile").read_text() == "x"
+    glm5("make-tiny", folder, "--overwrite")
+    assert not (folder / "weights.bin").exists() and (folder / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--layers", "3"], "--layers needs --preset (each tiny --arch has its own layers)"),
+    (["--layers", "0", "--preset", "glm-5"], "--layers must be from 1 to glm-5's 78 layers, got 0"),
+    (["--layers", "79", "--preset", "glm-5"], "--layers must be from 1 to glm-5's 78 layers, got 79"),
+])
+def test_make_tiny_layers_out_of_range(tmp_path, args, error):
+    proc = glm5("make-tiny", tmp_path / "out", *args, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"glm5: error: {error}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_tiny_checks_the_disk_first(tmp_path, monkeypatch):
+    import shutil
+
+    from glm5_offload import tiny
+
+    monkeypatch.setattr(tiny.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 1 << 20))
+    with pytest.raises(Glm5Error, match=r"out: the checkpoint needs \d+\.\d\d MiB, its disk has 1\.00 MiB free"):
+        tiny.make_tiny(tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+    down = "model.layers.1.mlp.experts.0.down_proj.weight"
+    assert tiny.stored_bytes(down, (6144, 2048), fp8=True) == 6144 * 2048 + 4 * 48 * 16  # e4m3 + block scales
+    assert tiny.stored_bytes(down, (6144, 2048), fp8=False) == 6144 * 2048 * 2
+    assert tiny.stored_bytes("model.norm.weight", (6144,), fp8=True) == 6144 * 2
 
 
 def test_tiny_tokenizer_and_chat_template(tiny_dir):

@@ -18,7 +18,7 @@ from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.saved_context import load_context, save_context
 
-from conftest import glm5
+from conftest import cli_env, glm5
 
 PROMPT = list(range(12, 112))
 MORE = PROMPT + list(range(200, 230))
@@ -177,6 +177,28 @@ def test_serve_keeps_its_context_across_restarts(tiny_dir, tmp_path):
         server.server_close()
     assert usages[0]["prompt_tokens"] >= 1024 and usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] == usages[0]["prompt_tokens"] - 1
+
+
+def test_serve_stopped_by_sigterm_keeps_its_context(tiny_dir, tmp_path):
+    """As systemd or docker stop a service: SIGTERM, after which the context is on disk (its cleanup ran)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "glm5_offload.cli", "serve", "--model", str(tiny_dir()), "--port",
+                             "0", "--context-dir", str(tmp_path / "ctx")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stdout.readline()).group(1))
+        reply = post(port, {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 3, "temperature": 0})
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    cached = reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"] - 1  # the last token not yet fed
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
+    assert f"glm5 serve: kept {cached} cached tokens in {tmp_path / 'ctx' / 'context.safetensors'}" in out
+    assert (tmp_path / "ctx" / "context.safetensors").is_file()
 
 
 def test_a_context_dir_that_is_a_file_is_refused(tiny_dir, tmp_path):
