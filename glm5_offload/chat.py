@@ -79,6 +79,11 @@ class Conversation:
         """One turn: the reply streams to on_text(piece, is_reasoning); Ctrl-C ends it early, kept."""
         messages = self.messages + [{"role": "user", "content": user_text}]
         prompt = self.prompt_for(messages)
+        limit = self.engine.max_seq_len
+        if len(prompt) + self.max_new_tokens > limit:
+            hint = "; /reset starts a new one" if any(m["role"] == "assistant" for m in self.messages) else ""
+            raise Glm5Error(f"the conversation would be {len(prompt)} tokens and the reply up to {self.max_new_tokens}: "
+                            f"more than the context of {limit} tokens (--max-seq-len){hint}")
         stream = ReplyStream(self.tokenizer, self.engine.stop_ids, self.thinking, on_text)
         interrupted = False
         started = time.perf_counter()

@@ -215,3 +215,15 @@ def test_lines_piped_in_that_are_not_utf8(tiny_dir):
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert "error: the line is not valid UTF-8 (at character 4); nothing was sent" in out
     assert "turns 1," in out and len(STATS.findall(out)) == 1
+
+
+def test_a_conversation_beyond_the_context_says_how_to_go_on(tiny_dir):
+    done = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "chat", "--model", str(tiny_dir()),
+                           "--temperature", "0", "--max-new-tokens", "8", "--no-think", "--max-seq-len", "60"],
+                          input=b"Hi\n" + b"the quick brown fox " * 12 + b"\n/reset\nHi\n", capture_output=True,
+                          env=cli_env({}), timeout=300)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert re.search(r"error: the conversation would be \d+ tokens and the reply up to 8: more than the context of 60 "
+                     r"tokens \(--max-seq-len\); /reset starts a new one", out), out
+    assert len(STATS.findall(out)) == 2  # the first turn, and the one after /reset
