@@ -139,15 +139,32 @@ def _check_context_files(save: str | None, load: str | None):
         raise Glm5Error(f"--load-context {load}: not a file (missing, or a folder)")
 
 
-def cmd_generate(args):
+def _prompt_text(args) -> str | None:
+    """--prompt's text, or --prompt-file's (- for standard input; a long document does not fit a command line, whose
+    arguments Linux caps at 128 KiB each), checked as UTF-8 before any weight is read; None with --prompt-ids."""
     if args.prompt is not None:
         try:
             args.prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise Glm5Error("--prompt is not valid UTF-8") from None
+        return args.prompt
+    if args.prompt_file is None:
+        return None
+    try:
+        data = sys.stdin.buffer.read() if args.prompt_file == "-" else Path(args.prompt_file).read_bytes()
+    except OSError as e:
+        raise Glm5Error(f"--prompt-file {args.prompt_file}: cannot read it ({e.strerror})") from None
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not text
+    except UnicodeDecodeError as e:
+        raise Glm5Error(f"--prompt-file {args.prompt_file}: not UTF-8 text (byte {e.start})") from None
+
+
+def cmd_generate(args):
+    text = _prompt_text(args)
     _check_context_files(args.save_context, args.load_context)
-    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=args.prompt is not None)
-    prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False) if args.prompt is not None else _prompt_ids(args.prompt_ids)
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=text is not None)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False) if text is not None else _prompt_ids(args.prompt_ids)
     if args.load_context:
         from glm5_offload.runtime.saved_context import load_context
 
@@ -330,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args(p, temperature=0.0, top_p=1.0, max_new_tokens=32)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text, tokenized by the model's own tokenizer")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="prompt text from a UTF-8 file (- reads standard input): "
+                        "a long document, beyond what a command line takes")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.add_argument("--save-context", metavar="FILE",

@@ -1,6 +1,7 @@
 """The glm5 command: make-tiny, generate (text, ids, JSON, the embedded default) and its one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,35 @@ def test_generate_json_greedy_matches_the_engine(tiny_dir):
     assert out["output_ids"] == engine_in_a_child(path, "glm5", out["prompt_ids"], 6)  # no --rules: the default
     assert "no --rules given: the default placement glm5" in proc.stderr
     assert isinstance(out["text"], str)
+
+
+def test_prompt_file_and_stdin_equal_the_prompt(tiny_dir, tmp_path):
+    text = "Hello! How are you, caf\u00e9 \u2615"
+    (tmp_path / "prompt.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())  # with a byte-order mark
+    common = ["generate", "--model", tiny_dir(), "--max-new-tokens", 3, "--temperature", 0, "--json"]
+    direct = json.loads(glm5(*common, "--prompt", text).stdout)
+    from_file = json.loads(glm5(*common, "--prompt-file", tmp_path / "prompt.txt").stdout)
+    piped = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, common), "--prompt-file", "-"],
+                           input=text.encode(), capture_output=True, env=cli_env(), timeout=600)
+    assert piped.returncode == 0, piped.stderr.decode()
+    from_stdin = json.loads(piped.stdout)
+    assert direct["prompt_ids"] == from_file["prompt_ids"] == from_stdin["prompt_ids"]
+    assert direct["output_ids"] == from_file["output_ids"] == from_stdin["output_ids"]
+
+
+def test_prompt_file_errors(tiny_dir, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    # beyond the 128 KiB Linux allows one command-line argument: read whole, then refused for the tiny model's context
+    (tmp_path / "book.txt").write_text("A long document about the lightning indexer, line by line.\n" * 4000)
+    for name, needle in (("latin1.txt", "--prompt-file {}: not UTF-8 text (byte 3)"),
+                         ("missing.txt", "--prompt-file {}: cannot read it (No such file or directory)"),
+                         ("", "--prompt-file {}: cannot read it (Is a directory)"),
+                         ("book.txt", "exceeds max_seq_len 4096")):
+        proc = glm5("generate", "--model", tiny_dir(), "--prompt-file", tmp_path / name, check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and needle.format(tmp_path / name) in errors[0], proc.stderr
+    tokens = int(re.search(r"prompt of (\d+) tokens", errors[0]).group(1))
+    assert tokens > 40000 and (tmp_path / "book.txt").stat().st_size > 128 << 10
 
 
 def test_flash_generate_takes_its_family_default_rules(tmp_path):
