@@ -10,6 +10,7 @@ method and route; a body over MAX_BODY bytes, or one that does not arrive within
 
 import json
 import math
+import tempfile
 import threading
 import time
 import uuid
@@ -342,6 +343,10 @@ def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1
             Path(context_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise Glm5Error(f"--context-dir {context_dir}: cannot make it ({e.strerror})") from None
+        try:  # found now, not when the first context is written (hours later, or at exit)
+            tempfile.TemporaryFile(dir=context_dir).close()
+        except OSError as e:
+            raise Glm5Error(f"--context-dir {context_dir}: cannot write there ({e.strerror})") from None
         if context_file.exists():
             try:
                 n = load_context(engine, context_file)

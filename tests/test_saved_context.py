@@ -201,7 +201,7 @@ def test_serve_stopped_by_sigterm_keeps_its_context(tiny_dir, tmp_path):
     assert (tmp_path / "ctx" / "context.safetensors").is_file()
 
 
-def test_a_context_dir_that_is_a_file_is_refused(tiny_dir, tmp_path):
+def test_a_context_dir_that_is_a_file_or_not_writable_is_refused(tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from glm5_offload.server import make_server
@@ -210,3 +210,7 @@ def test_a_context_dir_that_is_a_file_is_refused(tiny_dir, tmp_path):
     with pytest.raises(Glm5Error, match="--context-dir .*afile: not a folder"):
         make_server(engine(tiny_dir()), AutoTokenizer.from_pretrained(str(tiny_dir())), "tiny", port=0,
                     context_dir=tmp_path / "afile")
+    # a folder no file can be made in, even by root (a read-only folder would not stop root)
+    with pytest.raises(Glm5Error, match=r"--context-dir /proc/sys: cannot write there \("):
+        make_server(engine(tiny_dir()), AutoTokenizer.from_pretrained(str(tiny_dir())), "tiny", port=0,
+                    context_dir="/proc/sys")
