@@ -3,9 +3,9 @@
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -133,8 +133,12 @@ def _check_context_files(save: str | None, load: str | None):
         path = Path(save)
         if path.is_dir():
             raise Glm5Error(f"--save-context {save}: a folder, not a file")
-        if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
-            raise Glm5Error(f"--save-context {save}: the folder {path.parent} does not exist or is not writable")
+        if not path.parent.is_dir():
+            raise Glm5Error(f"--save-context {save}: the folder {path.parent} does not exist")
+        try:  # a file made there, not os.access: root passes that anywhere, and finds out after the whole prefill
+            tempfile.TemporaryFile(dir=path.parent).close()
+        except OSError as e:
+            raise Glm5Error(f"--save-context {save}: cannot write in {path.parent} ({e.strerror})") from None
     if load is not None and not Path(load).is_file():
         raise Glm5Error(f"--load-context {load}: not a file (missing, or a folder)")
 

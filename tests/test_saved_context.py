@@ -72,7 +72,8 @@ def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):
 
 def test_context_flags_are_checked_before_anything_loads(tmp_path):
     for args, message in [(["--save-context", tmp_path], "a folder, not a file"),
-                          (["--save-context", tmp_path / "no" / "x.ctx"], "does not exist or is not writable"),
+                          (["--save-context", tmp_path / "no" / "x.ctx"], "the folder .*/no does not exist"),
+                          (["--save-context", "/proc/sys/x.ctx"], "cannot write in /proc/sys \\("),
                           (["--load-context", tmp_path / "missing.ctx"], "not a file \\(missing, or a folder\\)")]:
         proc = glm5("generate", "--model", tmp_path / "no-model", "--prompt-ids", "1,2", *args, check=False)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
