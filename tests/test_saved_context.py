@@ -81,6 +81,23 @@ def test_context_flags_are_checked_before_anything_loads(tmp_path):
         assert re.search(message, errors[0]), errors[0]
 
 
+def test_a_save_interrupted_mid_write_leaves_no_file(tiny_dir, tmp_path, monkeypatch):
+    from glm5_offload.runtime import saved_context
+
+    saver = engine(tiny_dir())
+    saver.generate(PROMPT, 2)
+    write = saved_context._write_safetensors
+
+    def interrupted(path, arrays, metadata):  # as Ctrl-C, or SIGTERM through glm5's handler, lands mid-write
+        write(path, arrays, metadata)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(saved_context, "_write_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_context(saver, tmp_path / "x.ctx")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_files_are_refused_and_the_engine_keeps_its_state(tiny_dir, tmp_path):
     path = tiny_dir()
     saver = engine(path)

@@ -109,9 +109,11 @@ def save_context(engine: Engine, path: str | Path) -> int:
     try:
         _write_safetensors(tmp, arrays, metadata)
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # a disk error, Ctrl-C or SIGTERM mid-write: no partial file is left (up to 54 GB)
         tmp.unlink(missing_ok=True)
-        raise Glm5Error(f"{path}: cannot write the context ({e.strerror})") from None
+        if isinstance(e, OSError):
+            raise Glm5Error(f"{path}: cannot write the context ({e.strerror})") from None
+        raise
     return n
 
 
