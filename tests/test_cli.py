@@ -43,10 +43,13 @@ def test_make_tiny_never_replaces_a_folder_unasked(tmp_path):
     folder.mkdir()
     (folder / "weights.bin").write_bytes(b"precious")
     (tmp_path / "afile").write_text("x")
+    from glm5_offload.tiny import make_tiny
+
     for target, error in ((folder, "the folder is not empty; make-tiny writes a new one (--overwrite replaces it)"),
                           (tmp_path / "afile", "exists and is not a folder")):
-        proc = glm5("make-tiny", target, check=False)
-        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"glm5: error: {target}: {error}"
+        with pytest.raises(Glm5Error) as refused:
+            make_tiny(target)
+        assert str(refused.value) == f"{target}: {error}"
     assert (folder / "weights.bin").read_bytes() == b"precious" and (tmp_path / "afile").read_text() == "x"
     glm5("make-tiny", folder, "--overwrite")
     assert not (folder / "weights.bin").exists() and (folder / "config.json").is_file()
@@ -108,18 +111,22 @@ def test_generate_json_greedy_matches_the_engine(tiny_dir):
     assert isinstance(out["text"], str)
 
 
-def test_prompt_file_and_stdin_equal_the_prompt(tiny_dir, tmp_path):
-    text = "Hello! How are you, caf\u00e9 \u2615"
+def test_prompt_file_and_stdin_read_the_text(tiny_dir, tmp_path, monkeypatch):
+    import io
+    from argparse import Namespace
+
+    from glm5_offload.cli import _prompt_text
+
+    text = "Hello! How are you, caf\u00e9 \u2615\n"
     (tmp_path / "prompt.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())  # with a byte-order mark
-    common = ["generate", "--model", tiny_dir(), "--max-new-tokens", 3, "--temperature", 0, "--json"]
-    direct = json.loads(glm5(*common, "--prompt", text).stdout)
-    from_file = json.loads(glm5(*common, "--prompt-file", tmp_path / "prompt.txt").stdout)
-    piped = subprocess.run([sys.executable, "-m", "glm5_offload.cli", *map(str, common), "--prompt-file", "-"],
-                           input=text.encode(), capture_output=True, env=cli_env(), timeout=600)
-    assert piped.returncode == 0, piped.stderr.decode()
-    from_stdin = json.loads(piped.stdout)
-    assert direct["prompt_ids"] == from_file["prompt_ids"] == from_stdin["prompt_ids"]
-    assert direct["output_ids"] == from_file["output_ids"] == from_stdin["output_ids"]
+    assert _prompt_text(Namespace(prompt=None, prompt_file=str(tmp_path / "prompt.txt"))) == text
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    assert _prompt_text(Namespace(prompt=None, prompt_file="-")) == text
+    from transformers import AutoTokenizer
+
+    out = json.loads(glm5("generate", "--model", tiny_dir(), "--prompt-file", tmp_path / "prompt.txt",
+                          "--max-new-tokens", 2, "--json").stdout)
+    assert out["prompt_ids"] == AutoTokenizer.from_pretrained(str(tiny_dir())).encode(text, add_special_tokens=False)
 
 
 def test_prompt_file_errors(tiny_dir, tmp_path):
