@@ -4,8 +4,9 @@ POST /v1/chat/completions (plain JSON, or server-sent events with "stream": true
 GET /health. Requests queue on a lock and run one at a time; the engine's cache carries over, so a
 request that extends the previous conversation prefills only what is new. A client that goes away
 mid-stream stops its generation at the next token. Text only: fields that would change the reply and are not
-implemented (tools, JSON mode, log probabilities, penalties) are refused, never dropped. Errors are JSON with the OpenAI error shape, for every
-method and route; a body over MAX_BODY bytes, or one that does not arrive within TIMEOUT seconds, is refused.
+implemented (tools, JSON mode, log probabilities, penalties) are refused, never dropped. Errors are JSON with the
+OpenAI error shape, for every method and route; a body over MAX_BODY bytes, or one that does not arrive within
+TIMEOUT seconds, is refused.
 """
 
 import json
@@ -48,8 +49,8 @@ def _number(body, name, kind, default, low=None, high=None, low_open=False):
     return value
 
 
-# Request fields that would change the reply, with the values this server honours (a falsy one: the field's
-# default) and what it does instead: refused, never dropped.
+# Request fields that would change the reply: whether a value is one this server honours (the field's default, as
+# clients send it) and, for any other, what the refusal says this server does not do.
 UNSUPPORTED = {
     "tools": (lambda v: v == [], "calls no tools (the model would answer without them)"),
     "functions": (lambda v: v == [], "calls no tools (the model would answer without them)"),
