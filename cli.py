@@ -5,7 +5,6 @@ import json
 import logging
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -129,16 +128,15 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
 
 def _check_context_files(save: str | None, load: str | None):
     """Before anything loads: --save-context must name a file in a writable folder, --load-context a file."""
+    from glm5_offload.util import check_writable
+
     if save is not None:
         path = Path(save)
         if path.is_dir():
             raise Glm5Error(f"--save-context {save}: a folder, not a file")
         if not path.parent.is_dir():
             raise Glm5Error(f"--save-context {save}: the folder {path.parent} does not exist")
-        try:  # a file made there, not os.access: root passes that anywhere, and finds out after the whole prefill
-            tempfile.TemporaryFile(dir=path.parent).close()
-        except OSError as e:
-            raise Glm5Error(f"--save-context {save}: cannot write in {path.parent} ({e.strerror})") from None
+        check_writable(path.parent, f"--save-context {save}: cannot write in {path.parent}")
     if load is not None and not Path(load).is_file():
         raise Glm5Error(f"--load-context {load}: not a file (missing, or a folder)")
 

@@ -11,7 +11,6 @@ TIMEOUT seconds, is refused.
 
 import json
 import math
-import tempfile
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from .chat import ROLES, ReplyStream, split_reasoning
 from .errors import Glm5Error
 from .runtime.engine import Engine, SamplingParams
 from .runtime.saved_context import load_context, save_context
+from .util import check_writable
 
 MAX_BODY = 16 << 20  # bytes of a request body
 TIMEOUT = 30  # seconds a connection may take to send what it announced
@@ -344,10 +344,7 @@ def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1
             Path(context_dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise Glm5Error(f"--context-dir {context_dir}: cannot make it ({e.strerror})") from None
-        try:  # found now, not when the first context is written (hours later, or at exit)
-            tempfile.TemporaryFile(dir=context_dir).close()
-        except OSError as e:
-            raise Glm5Error(f"--context-dir {context_dir}: cannot write there ({e.strerror})") from None
+        check_writable(context_dir, f"--context-dir {context_dir}: cannot write there")
         if context_file.exists():
             try:
                 n = load_context(engine, context_file)

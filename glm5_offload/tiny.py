@@ -255,10 +255,9 @@ def save_tokenizer(out_dir: Path):
 
 def stored_bytes(name: str, shape: tuple, fp8: bool) -> int:
     """What `stored` writes for a weight of this shape, in bytes (FP8 blocks with their scales, fp32 or bf16)."""
-    numel = torch.Size(shape).numel()
     if fp8 and is_fp8_projection(name):
-        return numel + 4 * -(-shape[0] // fp8_blocks.BLOCK[0]) * -(-shape[1] // fp8_blocks.BLOCK[1])
-    return numel * (4 if keeps_fp32(name) else 2)
+        return fp8_blocks.nbytes(shape)
+    return torch.Size(shape).numel() * (4 if keeps_fp32(name) else 2)
 
 
 def check_out_dir(out_dir: Path, overwrite: bool, needed: int) -> None:

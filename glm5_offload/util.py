@@ -11,6 +11,7 @@ unmarked, and what the compute stream waits for of them lands in the span that w
 
 import os
 import re
+import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -30,6 +31,15 @@ def parse_size(text: str, flag: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise Glm5Error(f"{flag}: {text!r} is not a size such as 24GiB, 512G or 80GB")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def check_writable(folder: str | Path, what: str) -> None:
+    """That a file can be made in folder, tried by making one: os.access passes root anywhere, and a folder found
+    unwritable only when a context is saved costs the whole run. Else Glm5Error f"{what} (the reason)"."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise Glm5Error(f"{what} ({e.strerror})") from None
 
 
 def human_bytes(n: int | float) -> str:
