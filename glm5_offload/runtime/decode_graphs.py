@@ -60,6 +60,8 @@ class Piece:
     host: HostStep | None = None  # after the piece: the host waits for the last cut, then does this
     after_host: bool = False  # the piece follows a host step: its graph starts by waiting for the host's signal
     graph: torch.cuda.CUDAGraph | None = None
+    done: torch.cuda.Event | None = None  # a cut piece's, recorded by its graph's last node: each replay re-records it
+    # for free (an event recorded from the host after the replay cost 35-42 us of host time a MoE layer, H200 machine)
 
 
 def pieces(steps: list) -> list[Piece]:
@@ -144,6 +146,9 @@ class DecodeGraphs:
                         self.signal.wait()
                     for step in piece.steps:
                         step(s)
+                    if piece.cut:  # (a cut piece without steps adds no work to wait for)
+                        piece.done = torch.cuda.Event(external=True)
+                        piece.done.record()
         return cut, s
 
     def _replay(self, cut: list[Piece], s: Pass) -> dict[str, float]:
@@ -164,9 +169,8 @@ class DecodeGraphs:
                 piece.graph.replay()
             elif not self.capture:
                 run_steps(piece.steps, s)
-            if piece.cut and self.capture:
-                ready = torch.cuda.Event()
-                ready.record()
+            if piece.done is not None:
+                ready = piece.done
             if piece.host is not None:
                 ahead = cut[i + 1] if self.capture and i + 1 < len(cut) else None  # starts with the signal's wait
                 if ahead is not None:
