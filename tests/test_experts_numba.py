@@ -190,6 +190,7 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{format: int3}", "format must be one of bf16, int8, int4"),
     ("{group_size: 48}", "group_size must be one of 32, 64, 128"),
     ("{threads: 0}", "threads must be a positive integer"),
+    ("{threads: 100000}", "threads must be at most"),
     ("{speed: 11}", "takes no kwarg 'speed'"),
     ("{activations: int3}", "activations must be fp32 or int8"),
     ("{format: bf16, activations: int8}", "activations: int8 needs format int8 or int4"),
@@ -201,6 +202,19 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     refused_rule(tmp_path, "Experts", f"op: experts.numba, device: cpu, kwargs: {kwargs}", needle)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="binding to one core needs two")
+def test_openmp_binding_that_leaves_the_experts_one_core_is_named():
+    """OMP_PLACES binds the process to one core when torch loads its OpenMP runtime: numba then starts 1 thread."""
+    import subprocess
+    import sys
+    code = ("import torch; from glm5_offload.ops.experts_numba import bound_by_openmp; print(bound_by_openmp())")
+    bound = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_PLACES": "cores"},
+                           capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    assert bound.startswith("the CPU experts have 1 thread on this machine's") and "OMP_PLACES=cores" in bound
+    assert "unset OMP_PLACES to use every core" in bound
+    assert experts_numba.bound_by_openmp() is None  # this process: every core
 
 
 def test_numba_experts_run_on_the_cpu_only(tmp_path):

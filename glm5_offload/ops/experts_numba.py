@@ -15,6 +15,8 @@ inputs rounded as the CPU's int8 ones: a chunk's sum is the same wherever each e
 memory is page-locked for that the first time they stream (`pin_experts`), so each expert is one DMA from it.
 """
 
+import logging
+import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +45,7 @@ STORE_VERSION = 2
 SPLIT_TOKENS = 1024
 _pinned: dict[tuple, torch.Tensor] = {}
 _cpu_half = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu-half")  # a split chunk's CPU half (numba frees the GIL)
+log = logging.getLogger("glm5_offload")
 
 
 def pinned(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -54,6 +57,20 @@ def pinned(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     if key not in _pinned:
         _pinned[key] = torch.empty((rows,) + tuple(shape[1:]), dtype=dtype, pin_memory=True)
     return _pinned[key][: shape[0]]
+
+
+def bound_by_openmp() -> str | None:
+    """Why the experts have fewer threads than the machine has cores, where OMP_PROC_BIND or OMP_PLACES is the cause
+    (None otherwise: a taskset or cgroup that gives the process fewer cores is the user's choice). With either set,
+    the OpenMP runtime that torch loads binds the process's first thread to one place as it loads, and numba counts
+    that place's cores: on the H200 machine OMP_PLACES=cores left the experts 1 thread of 16, decode 8x slower."""
+    binding = {k: os.environ[k] for k in ("OMP_PROC_BIND", "OMP_PLACES") if k in os.environ}
+    threads, cores = numba.config.NUMBA_NUM_THREADS, os.cpu_count() or 1
+    if not binding or threads >= cores or "NUMBA_NUM_THREADS" in os.environ:
+        return None
+    return (f"the CPU experts have {threads} thread{'s' * (threads > 1)} on this machine's {cores} cores: "
+            f"{' '.join(f'{k}={v}' for k, v in binding.items())} made the OpenMP runtime bind this process to "
+            f"{threads} core{'s' * (threads > 1)} as torch loaded it; unset {' and '.join(binding)} to use every core")
 
 
 def expert_store(root: Path, model_dir: Path, fmt: str, group: int) -> DiskStore:
@@ -362,6 +379,9 @@ class NumbaExpertsOperator(ExpertsOperator):
             raise Glm5Error(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {k['group_size']!r}")
         if k["threads"] is not None and not is_positive_int(k["threads"]):
             raise Glm5Error(f"threads must be a positive integer, got {k['threads']!r}")
+        if k["threads"] is not None and k["threads"] > numba.config.NUMBA_NUM_THREADS:
+            raise Glm5Error(f"threads must be at most {numba.config.NUMBA_NUM_THREADS}, the cores numba may use in "
+                            f"this process (NUMBA_NUM_THREADS), got {k['threads']}")
         if k["cache_dir"] is not None and not isinstance(k["cache_dir"], str):
             raise Glm5Error(f"cache_dir must be a path, got {k['cache_dir']!r}")
         if k["activations"] not in ("fp32", "int8"):
@@ -423,6 +443,8 @@ class NumbaExpertsOperator(ExpertsOperator):
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
+        if problem := bound_by_openmp():
+            log.warning("%s", problem)
 
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
