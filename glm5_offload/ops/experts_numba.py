@@ -379,9 +379,6 @@ class NumbaExpertsOperator(ExpertsOperator):
             raise Glm5Error(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {k['group_size']!r}")
         if k["threads"] is not None and not is_positive_int(k["threads"]):
             raise Glm5Error(f"threads must be a positive integer, got {k['threads']!r}")
-        if k["threads"] is not None and k["threads"] > numba.config.NUMBA_NUM_THREADS:
-            raise Glm5Error(f"threads must be at most {numba.config.NUMBA_NUM_THREADS}, the cores numba may use in "
-                            f"this process (NUMBA_NUM_THREADS), got {k['threads']}")
         if k["cache_dir"] is not None and not isinstance(k["cache_dir"], str):
             raise Glm5Error(f"cache_dir must be a path, got {k['cache_dir']!r}")
         if k["activations"] not in ("fp32", "int8"):
@@ -432,6 +429,10 @@ class NumbaExpertsOperator(ExpertsOperator):
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> NumbaExperts:
         """Read (or memory-map) the stored conversion of this layer's experts, converting it first if needed."""
         k, config = slot.kwargs, ctx.config
+        if k["threads"] is not None and k["threads"] > numba.config.NUMBA_NUM_THREADS:  # here, not at the rule: a
+            # placement may be planned on another machine than the one that runs it
+            raise Glm5Error(f"threads: {k['threads']} is more than the {numba.config.NUMBA_NUM_THREADS} cores numba may "
+                            "use in this process (NUMBA_NUM_THREADS)")
         fmt, group = self.packing(slot, ctx.dtype)
         store = expert_store(Path(k["cache_dir"] or cache_dir() / "experts"), ctx.model_dir, fmt, group)
         arrays = store.load(slot.name, k["in_memory"])
