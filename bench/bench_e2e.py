@@ -10,7 +10,8 @@ bench`'s measurement (benchmark.run_benchmark), or with --filled only decode, af
 load's figures kept: median_trial); with --peer, transformers on
 the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
 projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer (their difference)
-times the targets' MoE layers plus the fixed rest; with one, the whole measured step per MoE layer (which
+times the targets' MoE layers plus the fixed rest, beside each run's CPU experts timed alone in its own process
+(benchmark.experts_alone: the kernel's speed varies between processes on the H200 machine's host); with one, the whole measured step per MoE layer (which
 also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
 active experts' bytes per token in the placement's format / read bandwidth); and the first checkpoint's
 last-context prefill, from its synchronised split, per layer kind (benchmark.prefill_projection)."""
@@ -27,8 +28,8 @@ import bench_peer
 import torch
 from bench_context import fill
 
-from glm5_offload.benchmark import (format_table, generate_split, prefill_projection, prefill_split, random_prompt,
-                                    run_benchmark)
+from glm5_offload.benchmark import (experts_alone, format_table, generate_split, prefill_projection, prefill_split,
+                                    random_prompt, run_benchmark)
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
@@ -77,9 +78,11 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
         print(json.dumps(result), flush=True)
     elif filled:
         result = decode_filled(engine, context, new_tokens)
+        result["experts_alone_ms_per_token"] = alone = experts_alone(model)
         split = result["graph_split_ms_per_token"] or {}
         print(f"decode after {context} filled tokens: {result['decode_ms_per_token']:.2f} ms/token ("
-              + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + ")", flush=True)
+              + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + ")"
+              + ("" if alone is None else f"; the experts alone {alone:.3f} ms"), flush=True)
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)
@@ -139,9 +142,17 @@ def marginal_layer(runs: dict[int, list[dict]], moe: dict[int, int]) -> list[dic
         step = (y["decode_ms_per_token"] - x["decode_ms_per_token"]) / (moe[b] - moe[a])
         split_x, split_y = x["graph_split_ms_per_token"], y["graph_split_ms_per_token"]
         experts = None if not split_x else (split_y["experts"] - split_x["experts"]) / (moe[b] - moe[a])
+        alone = [alone_ms(r, moe[n]) for r, n in ((x, a), (y, b))]
         rows.append({"context": x["context"], "moe_layer_ms": step, "fixed_ms": x["decode_ms_per_token"] - moe[a] * step,
-                     "moe_layer_experts_ms": experts, "step_over_experts": None if not experts else step / experts})
+                     "moe_layer_experts_ms": experts, "step_over_experts": None if not experts else step / experts,
+                     "experts_alone_ms_per_layer": alone})
     return rows
+
+
+def alone_ms(result: dict, moe_layers: int) -> float | None:
+    """A run's CPU experts timed alone in its process (benchmark.experts_alone), per MoE layer."""
+    ms = result.get("experts_alone_ms_per_token") or (result.get("host_bound") or {}).get("experts_alone_ms_per_token")
+    return ms and ms / moe_layers
 
 
 def with_kwargs(rules: RuleFile, op: str, kwargs: dict, flag: str) -> RuleFile:
@@ -233,12 +244,14 @@ def main(argv=None):
     marginal = marginal_layer(runs, moe) if len(counts) == 2 and not args.prefill_only else None
     if marginal:
         print("\none more MoE layer, from the checkpoints' difference (decode from CUDA graphs)")
-        print("| context | step ms per MoE layer | CPU experts ms | step / experts (goal <= 1.1) | fixed ms |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| context | step ms per MoE layer | CPU experts ms | step / experts (goal <= 1.1) | fixed ms | "
+              "experts alone ms a layer (each checkpoint's process) |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for m in marginal:
             experts = "-" if m["moe_layer_experts_ms"] is None else f"{m['moe_layer_experts_ms']:.2f}"
             ratio = "-" if m["step_over_experts"] is None else f"{m['step_over_experts']:.2f}x"
-            print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} |")
+            alone = ", ".join("-" if v is None else f"{v:.2f}" for v in m["experts_alone_ms_per_layer"])
+            print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} | {alone} |")
     read_gb_s, rows = None, []
     if not args.prefill_only:
         read_gb_s = read_bandwidth_gb_s()

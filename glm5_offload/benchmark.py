@@ -15,7 +15,9 @@ The prefill's split also projects the same context's prefill on the full publish
 kind (prefill_projection): a checkpoint cut to a few layers (`glm5 make-tiny --preset`) tells what the whole
 model's long prefill costs.
 With the routed experts on the CPU, decode is measured against its host-bandwidth bound: the bytes of the experts
-one token reads (the planner's figure for the placement) at the host's read bandwidth (kernels/host_read.py).
+one token reads (the planner's figure for the placement) at the host's read bandwidth (kernels/host_read.py), and
+the same layers' experts are timed alone in the same process (experts_alone): what the step adds to them, and how
+fast this process's kernel reads (on the H200 machine's host the same kernel has run 15-20% apart between processes).
 """
 
 import resource
@@ -23,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .checkpoint import huge_pages
@@ -143,6 +146,27 @@ def generate_split(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[
     return result, {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
 
 
+def experts_alone(model, calls: int = 16, seed: int = 0) -> float | None:
+    """Milliseconds a decode token's CPU experts take alone: each NumbaExperts layer's kernel on one random token
+    routed to top-k random experts, the layers taken in turn `calls` times (so each call reads its experts from
+    memory, not from the cache the previous one left), the median call of each layer summed; None without them."""
+    layers = [m for m in model.modules() if isinstance(m, NumbaExperts)]
+    if not layers:
+        return None
+    rng = np.random.default_rng(seed)
+    top_k, hidden = model.config.num_experts_per_tok, layers[0].w2.shape[1]
+    times = [[] for _ in layers]
+    for _ in range(calls + 1):  # the first round compiles or warms: left out
+        for layer, seconds in zip(layers, times):
+            x = rng.standard_normal((1, hidden), np.float32)
+            ids = rng.permutation(layer.w13.shape[0])[:top_k][None].astype(np.int64)
+            weights = rng.random((1, top_k), np.float32)
+            t0 = time.perf_counter()
+            layer._compute(x, ids, weights)
+            seconds.append(time.perf_counter() - t0)
+    return sum(sorted(t[1:])[len(t[1:]) // 2] for t in times) * 1e3
+
+
 def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
     measured decode's fraction of it, and the bytes of the memory holding the CPU experts in huge pages (a 4 KiB
@@ -155,11 +179,13 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None
         return None
     read = read_bandwidth_gb_s(1 << 30, repeats=3)
     bound = read * 1e9 / plan.active_expert_bytes
+    alone_ms = experts_alone(model)
     pages = huge_pages([getattr(m, name) for m in model.modules() if isinstance(m, NumbaExperts)
                         for name in ("w13", "s13", "w2", "s2")])
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
-            "experts_huge_page_bytes": pages and pages[1]}
+            "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,
+            "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9)}
 
 
 def saved_context_seconds(engine: Engine) -> dict:
@@ -204,6 +230,11 @@ def format_table(r: dict) -> str:
         lines.append(f"  host-bandwidth bound: {bound['expert_bytes_per_token'] / 1e6:.1f} MB of routed experts a token "
                      f"at {bound['host_read_gb_s']:.1f} GB/s read = {bound['bound_tok_s']:.1f} tok/s; decode is "
                      f"{bound['of_bound']:.1%} of it")
+        if bound["experts_alone_ms_per_token"]:
+            step = (r["graph_split_ms_per_token"] or r["split_ms_per_token"])["experts"]
+            lines.append(f"  the CPU experts alone (random routing, this process): "
+                         f"{bound['experts_alone_ms_per_token']:.3f} ms a token, {bound['experts_alone_of_read']:.0%} "
+                         f"of the read; in the decode step {step:.3f} ms")
         if bound["experts_mapped_bytes"]:
             lines.append(f"  the CPU experts' memory: {gib(bound['experts_mapped_bytes'])} mapped, "
                          f"{bound['experts_huge_page_bytes'] / bound['experts_mapped_bytes']:.0%} in huge pages")

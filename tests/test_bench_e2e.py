@@ -28,6 +28,22 @@ def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
         assert row["basis"].startswith("whole step") and row["projected_ms_per_token"] == 6.0 * 75
 
 
+def test_the_marginal_layer_and_each_processs_experts_alone():
+    """One more MoE layer from two checkpoints' runs: its step, its experts in the step, their ratio, the fixed rest,
+    and each run's experts timed alone in its own process, per MoE layer (a filled run's, or glm5 bench's)."""
+    split = lambda experts: {"experts": experts, "gpu wait": 0.5, "other": 0.2}  # noqa: E731
+    small = {"context": 4096, "decode_ms_per_token": 3.0, "graph_split_ms_per_token": split(2.0),
+             "experts_alone_ms_per_token": 1.8}
+    large = {"context": 4096, "decode_ms_per_token": 5.5, "graph_split_ms_per_token": split(4.2),
+             "host_bound": {"experts_alone_ms_per_token": 4.4}}
+    [row] = bench_e2e.marginal_layer({2: [small], 3: [large]}, {2: 1, 3: 2})
+    assert row["moe_layer_ms"] == 2.5 and row["fixed_ms"] == 0.5 and row["moe_layer_experts_ms"] == pytest.approx(2.2)
+    assert row["step_over_experts"] == pytest.approx(2.5 / 2.2) and row["experts_alone_ms_per_layer"] == [1.8, 2.2]
+    del large["host_bound"]  # a run without CPU experts
+    assert bench_e2e.marginal_layer({2: [small], 3: [large]}, {2: 1, 3: 2})[0]["experts_alone_ms_per_layer"] == [1.8,
+                                                                                                                None]
+
+
 def test_a_context_beyond_a_targets_window_is_not_projected_for_it():
     results = [{"context": 4096, "decode_ms_per_token": 6.0}, {"context": 1048448, "decode_ms_per_token": 7.0}]
     rows = bench_e2e.projection(results, 1, ("int4", 128), 100.0)

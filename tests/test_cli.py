@@ -243,10 +243,19 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     # the tiny model's int4 experts read into memory of their own: its mappings, some of it perhaps in huge pages
     assert bound["experts_mapped_bytes"] > 0 and 0 <= bound["experts_huge_page_bytes"] <= bound["experts_mapped_bytes"]
     assert "the CPU experts' memory" in table
+    # the same experts timed alone in that process, every MoE layer's (a tiny model's sit in the cache: its fraction
+    # of the read may pass 1)
+    assert bound["experts_alone_ms_per_token"] > 0 and bound["experts_alone_of_read"] > 0
+    assert "the CPU experts alone (random routing, this process)" in table
     saved = r["saved_context"]  # the prefilled context saved and loaded back
     assert saved["tokens"] == 40 and saved["bytes"] > 40 * 5 * 64 and saved["save_s"] > 0 and saved["load_s"] > 0
     assert "context of 40 tokens saved" in table
     assert r["prefill_projection"] == [] and "projected" not in table  # tiny dims: no full model to scale to
+
+
+def test_experts_alone_needs_cpu_experts():
+    from glm5_offload.benchmark import experts_alone
+    assert experts_alone(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
 
 
 def test_prefill_projection_scales_each_part_by_its_layers(tmp_path):
