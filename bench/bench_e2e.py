@@ -11,10 +11,11 @@ load's figures kept: median_trial); with --peer, transformers on
 the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
 projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer (their difference)
 times the targets' MoE layers plus the fixed rest, beside each run's CPU experts timed alone in its own process
-(benchmark.experts_alone: the kernel's speed varies between processes on the H200 machine's host); with one, the whole measured step per MoE layer (which
-also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
-active experts' bytes per token in the placement's format / read bandwidth); and the first checkpoint's
-last-context prefill, from its synchronised split, per layer kind (benchmark.prefill_projection)."""
+(benchmark.experts_alone: the kernel's speed varies between processes on the H200 machine's host); with one, the
+whole measured step per MoE layer (which also charges it the dense layer, embedding and head: conservative); next
+to the host-bandwidth bound (the active experts' bytes per token in the placement's format / read bandwidth); and
+the first checkpoint's last-context prefill, from its synchronised split, per layer kind
+(benchmark.prefill_projection)."""
 
 import argparse
 import dataclasses

@@ -431,8 +431,8 @@ class NumbaExpertsOperator(ExpertsOperator):
         k, config = slot.kwargs, ctx.config
         if k["threads"] is not None and k["threads"] > numba.config.NUMBA_NUM_THREADS:  # here, not at the rule: a
             # placement may be planned on another machine than the one that runs it
-            raise Glm5Error(f"threads: {k['threads']} is more than the {numba.config.NUMBA_NUM_THREADS} cores numba may "
-                            "use in this process (NUMBA_NUM_THREADS)")
+            raise Glm5Error(f"threads: {k['threads']} is more than the {numba.config.NUMBA_NUM_THREADS} cores numba "
+                            "may use in this process (NUMBA_NUM_THREADS)")
         fmt, group = self.packing(slot, ctx.dtype)
         store = expert_store(Path(k["cache_dir"] or cache_dir() / "experts"), ctx.model_dir, fmt, group)
         arrays = store.load(slot.name, k["in_memory"])
