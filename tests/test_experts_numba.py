@@ -1,6 +1,8 @@
 """experts.numba under the rules engine: formats, the on-disk cache, parity, and bad kwargs."""
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -215,14 +217,19 @@ def test_more_threads_than_cores_refused_at_load(tiny_dir, tmp_path):
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="binding to one core needs two")
 def test_openmp_binding_that_leaves_the_experts_one_core_is_named():
-    """OMP_PLACES binds the process to one core when torch loads its OpenMP runtime: numba then starts 1 thread."""
-    import subprocess
-    import sys
+    """OMP_PLACES binds the process to one core when torch loads its OpenMP runtime: numba then starts 1 thread.
+    OMP_PROC_BIND=false binds nothing: a process given one core by taskset is then the user's choice, not named."""
     code = ("import torch; from glm5_offload.ops.experts_numba import bound_by_openmp; print(bound_by_openmp())")
-    bound = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_PLACES": "cores"},
-                           capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    assert bound.startswith("the CPU experts have 1 thread on this machine's") and "OMP_PLACES=cores" in bound
-    assert "unset OMP_PLACES to use every core" in bound
+
+    def bound(env, one_core=False):
+        return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                              check=True, preexec_fn=(lambda: os.sched_setaffinity(0, {0})) if one_core else None
+                              ).stdout.strip().splitlines()[-1]
+
+    named = bound({"OMP_PLACES": "cores"})
+    assert named.startswith("the CPU experts have 1 thread on this machine's") and "OMP_PLACES=cores" in named
+    assert "unset OMP_PLACES to use every core" in named
+    assert bound({"OMP_PROC_BIND": "false", "OMP_PLACES": "cores"}, one_core=True) == "None"
     assert experts_numba.bound_by_openmp() is None  # this process: every core
 
 

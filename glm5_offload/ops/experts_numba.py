@@ -66,7 +66,8 @@ def bound_by_openmp() -> str | None:
     that place's cores: on the H200 machine OMP_PLACES=cores left the experts 1 thread of 16, decode 8x slower."""
     binding = {k: os.environ[k] for k in ("OMP_PROC_BIND", "OMP_PLACES") if k in os.environ}
     threads, cores = numba.config.NUMBA_NUM_THREADS, os.cpu_count() or 1
-    if not binding or threads >= cores or "NUMBA_NUM_THREADS" in os.environ:
+    unbound = binding.get("OMP_PROC_BIND", "").strip().lower() == "false"  # binds nothing, OMP_PLACES or not
+    if not binding or unbound or threads >= cores or "NUMBA_NUM_THREADS" in os.environ:
         return None
     return (f"the CPU experts have {threads} thread{'s' * (threads > 1)} on this machine's {cores} cores: "
             f"{' '.join(f'{k}={v}' for k, v in binding.items())} made the OpenMP runtime bind this process to "
