@@ -7,7 +7,7 @@
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
 bench`'s measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
 (bench_context.fill, as if prefilled: a 1M context's decode without its 1M prefill), --repeats times (the median
-load's figures kept: median_trial); with --peer, transformers on
+load's figures kept: median_trial), each load in a process of its own as a user's (in_own_process); with --peer, transformers on
 the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
 projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer (their difference)
 times the targets' MoE layers plus the fixed rest, beside each run's CPU experts timed alone in its own process
@@ -20,9 +20,11 @@ the first checkpoint's last-context prefill, from its synchronised split, per la
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import bench_peer
@@ -91,6 +93,14 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result, fmt
+
+
+def in_own_process(fn, *args):
+    """fn(*args) in a fresh process (spawned: no CUDA context, allocator caches or memory maps of earlier loads), as
+    a user's process loads one model. Loads one after another in one process measured their CPU experts up to 1.5x
+    slower from the fourth 1M-context load on (H200 machine, session 30), each in its own process not."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def trial_ms(result: dict) -> float:
@@ -218,8 +228,8 @@ def main(argv=None):
         for context in map(int, args.contexts.split(",")):
             trials = []
             for _ in range(args.repeats):
-                trials.append(bench_context(model_dir, rules, context, args.new_tokens, args.prefill_chunk,
-                                            args.prefill_only, args.filled))
+                trials.append(in_own_process(bench_context, model_dir, rules, context, args.new_tokens,
+                                             args.prefill_chunk, args.prefill_only, args.filled))
                 if not (args.prefill_only or args.filled):
                     print(format_table(trials[-1][0]), flush=True)
             result, fmt = median_trial(trials)

@@ -1,7 +1,8 @@
 """bench/bench_e2e.py: the decode projection (a marginal layer measured below the host-bandwidth bound, the two runs'
 noise, is not projected from; nor is a context beyond the target's window), decode after a filled context (--filled)
-and the median of several loads (--repeats)."""
+and the median of several loads (--repeats), each in a process of its own."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -76,3 +77,12 @@ def test_repeats_keep_the_median_load_whole(capsys):
     with pytest.raises(SystemExit):
         bench_e2e.main(["--dir", "unused", "--repeats", "0"])
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_each_load_runs_in_a_process_of_its_own():
+    """in_own_process: a fresh process each call (no caches or maps of an earlier load), its result or its error
+    brought back."""
+    child = bench_e2e.in_own_process(os.getpid)
+    assert child != os.getpid() and bench_e2e.in_own_process(os.getpid) != child
+    with pytest.raises(ValueError, match="invalid literal"):
+        bench_e2e.in_own_process(int, "not a number")
