@@ -4,18 +4,19 @@
         [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
         [--peer all,offload] [--prefill-only | --filled] [--repeats 1] [--json FILE]
 
-Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5
-bench`'s measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
+Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5 bench`'s
+measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
 (bench_context.fill, as if prefilled: a 1M context's decode without its 1M prefill), --repeats times (the median
-load's figures kept: median_trial), each load in a process of its own as a user's (in_own_process); with --peer, transformers on
-the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read bandwidth and the
-projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer (their difference)
-times the targets' MoE layers plus the fixed rest, beside each run's CPU experts timed alone in its own process
-(benchmark.experts_alone: the kernel's speed varies between processes on the H200 machine's host); with one, the
-whole measured step per MoE layer (which also charges it the dense layer, embedding and head: conservative); next
-to the host-bandwidth bound (the active experts' bytes per token in the placement's format / read bandwidth); and
-the first checkpoint's last-context prefill, from its synchronised split, per layer kind
-(benchmark.prefill_projection)."""
+load's figures kept: median_trial), each load in a process of its own as a user's (in_own_process); with --peer,
+transformers on the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read
+bandwidth and the projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer times the
+targets' MoE layers plus the fixed rest, the layer's cost in parts (step_parts: its CPU experts' time in the step, the
+median over every load, whose speed varies from one to the next on the H200 machine's host; the rest from the
+checkpoints' difference) and, beside it, the difference of the median loads (marginal_layer) with each run's CPU
+experts timed alone in its own process (benchmark.experts_alone); with one, the whole measured step per MoE layer
+(which also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
+active experts' bytes per token in the placement's format / read bandwidth); and the first checkpoint's last-context
+prefill, from its synchronised split, per layer kind (benchmark.prefill_projection)."""
 
 import argparse
 import dataclasses
@@ -23,6 +24,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import statistics
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -118,11 +120,12 @@ def median_trial(trials: list[tuple[dict, tuple | None]]) -> tuple[dict, tuple |
 
 
 def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: float,
-               marginal: list[dict] | None = None) -> list[dict]:
+               layer: list[dict] | None = None, basis: str = "marginal") -> list[dict]:
     """Decode per token of each target: the fixed part plus its MoE layers times one MoE layer's step where two
-    layer counts were measured (marginal_layer), else the whole measured step per MoE layer (conservative). A
-    marginal layer cheaper than its experts' bytes at the read bandwidth is the two runs' noise, not a speed: that
-    row takes the conservative basis (and says so). A context beyond a target's max_position_embeddings has no row."""
+    layer counts were measured (`layer`: step_parts' or marginal_layer's rows, named by `basis`), else the whole
+    measured step per MoE layer (conservative). A layer's step cheaper than its experts' bytes at the read bandwidth
+    is the runs' noise, not a speed: that row takes the conservative basis (and says so). A context beyond a
+    target's max_position_embeddings has no row."""
     rows = []
     for target in TARGETS:
         config = load_config(target)
@@ -131,15 +134,38 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
         for i, r in enumerate(results):
             if r["context"] > config.max_position_embeddings:  # GLM-5 at 1M: only GLM-5.2 reaches it
                 continue
-            basis = "marginal" if marginal else "whole step"
-            if marginal and bound_ms is not None and marginal[i]["moe_layer_ms"] * moe < bound_ms:
-                basis = "whole step (marginal below the bound: noise)"
-            ms = (marginal[i]["fixed_ms"] + moe * marginal[i]["moe_layer_ms"] if basis == "marginal"
+            name = basis if layer else "whole step"
+            if layer and bound_ms is not None and layer[i]["moe_layer_ms"] * moe < bound_ms:
+                name = f"whole step ({basis} below the bound: noise)"
+            ms = (layer[i]["fixed_ms"] + moe * layer[i]["moe_layer_ms"] if name == basis
                   else r["decode_ms_per_token"] * moe / measured_moe)
             rows.append({"target": target, "context": r["context"], "measured_ms_per_token": r["decode_ms_per_token"],
-                         "basis": basis, "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
+                         "basis": name, "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
                          "bound_tok_s": None if bound_ms is None else 1e3 / bound_ms,
                          "of_bound": None if bound_ms is None else bound_ms / ms})
+    return rows
+
+
+def step_parts(loads: dict[int, list[list[dict]]], moe: dict[int, int]) -> list[dict] | None:
+    """One MoE layer's decode step in two parts, steadier than marginal_layer's difference of two loads: its CPU
+    experts, the median over every load of both checkpoints of their time in the step per MoE layer (it varies
+    15-25% from one load to the next on the H200 machine's host, and a difference of two loads carries that into a
+    projection 75 times); and the rest (GPU work the step waits for, host actions), from the difference of the two
+    checkpoints' medians of the step less its experts, steady from load to load. loads: per layer count, per
+    context, every load's result. None without the graph split (no CPU experts in the step)."""
+    (a, la), (b, lb) = sorted(loads.items())
+    rows = []
+    for xs, ys in zip(la, lb):
+        if not all(r["graph_split_ms_per_token"] for r in xs + ys):
+            return None
+        rest = lambda r: r["decode_ms_per_token"] - r["graph_split_ms_per_token"]["experts"]  # noqa: E731
+        experts = statistics.median(r["graph_split_ms_per_token"]["experts"] / moe[n]
+                                    for n, runs in ((a, xs), (b, ys)) for r in runs)
+        rest_a = statistics.median(map(rest, xs))
+        rest_layer = (statistics.median(map(rest, ys)) - rest_a) / (moe[b] - moe[a])
+        rows.append({"context": xs[0]["context"], "loads": len(xs) + len(ys), "experts_ms": experts,
+                     "rest_ms": rest_layer, "moe_layer_ms": experts + rest_layer,
+                     "step_over_experts": (experts + rest_layer) / experts, "fixed_ms": rest_a - moe[a] * rest_layer})
     return rows
 
 
@@ -218,13 +244,13 @@ def main(argv=None):
         rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
     if args.sampled_topk is not None:
         rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": args.sampled_topk}, "--sampled-topk")
-    runs, moe, configs, fmt, peers = {}, {}, {}, None, []
+    runs, loads, moe, configs, fmt, peers = {}, {}, {}, {}, None, []
     for n in counts:
         model_dir = Path(args.dir) if len(counts) == 1 else Path(args.dir) / f"{n}-layers"
         if not (model_dir / "config.json").is_file():
             make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8)
         config = configs[n] = load_config(model_dir)
-        runs[n], moe[n] = [], len(config.moe_layers)
+        runs[n], loads[n], moe[n] = [], [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):
             trials = []
             for _ in range(args.repeats):
@@ -238,6 +264,7 @@ def main(argv=None):
                       f"{trial_ms(result):.2f} ms{'' if args.prefill_only else '/token'} (of "
                       + ", ".join(f"{trial_ms(t):.2f}" for t, _ in trials) + ")", flush=True)
             runs[n].append(result)
+            loads[n].append([t for t, _ in trials])
         for mode in filter(None, args.peer.split(",") if n == counts[0] and not (args.prefill_only or args.filled)
                            else []):
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -263,13 +290,27 @@ def main(argv=None):
             ratio = "-" if m["step_over_experts"] is None else f"{m['step_over_experts']:.2f}x"
             alone = ", ".join("-" if v is None else f"{v:.2f}" for v in m["experts_alone_ms_per_layer"])
             print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} | {alone} |")
+    parts = step_parts(loads, moe) if marginal else None
+    if parts:
+        print("\none MoE layer's step in parts: its CPU experts (the median over every load of both checkpoints) and "
+              "the rest (the checkpoints' difference of the step less its experts)")
+        print("| context | loads | CPU experts ms | rest ms | step ms | step / experts (goal <= 1.1) | fixed ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for p in parts:
+            print(f"| {p['context']} | {p['loads']} | {p['experts_ms']:.2f} | {p['rest_ms']:.2f} | "
+                  f"{p['moe_layer_ms']:.2f} | {p['step_over_experts']:.2f}x | {p['fixed_ms']:.2f} |")
     read_gb_s, rows = None, []
     if not args.prefill_only:
         read_gb_s = read_bandwidth_gb_s()
-        rows = projection(results, measured_moe, fmt, read_gb_s, marginal)
-        basis = "fixed part + one MoE layer's step per MoE layer" if marginal else "the whole step per MoE layer"
+        layer, basis = (parts, "parts") if parts else (marginal, "marginal")
+        rows = projection(results, measured_moe, fmt, read_gb_s, layer, basis)
+        if parts:  # the difference of the median loads beside it
+            rows += projection(results, measured_moe, fmt, read_gb_s, marginal)
+        how = {"parts": "fixed part + one MoE layer's step in parts per MoE layer",
+               "marginal": "fixed part + one MoE layer's step per MoE layer"}[basis] if layer else \
+            "the whole step per MoE layer"
         print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read "
-              f"{read_gb_s:.0f} GB/s; {basis}")
+              f"{read_gb_s:.0f} GB/s; {how}")
         print("| model | context | measured ms/token | basis | projected ms/token | tok/s | host-BW bound tok/s | "
               "of bound |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -290,8 +331,9 @@ def main(argv=None):
                   f"{parts['experts']:.0f} | {parts['dense']:.0f} | {p['projected_prefill_s']:.0f} s "
                   f"({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": runs, "peers": peers, "read_gb_s": read_gb_s, "marginal_layer":
-                                               marginal, "projection": rows, "prefill_projection": prefill_rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"runs": runs, "loads": loads, "peers": peers, "read_gb_s": read_gb_s,
+                                               "marginal_layer": marginal, "step_parts": parts, "projection": rows,
+                                               "prefill_projection": prefill_rows}, indent=1))
     return results
 
 

@@ -1,6 +1,7 @@
 """bench/bench_e2e.py: the decode projection (a marginal layer measured below the host-bandwidth bound, the two runs'
-noise, is not projected from; nor is a context beyond the target's window), decode after a filled context (--filled)
-and the median of several loads (--repeats), each in a process of its own."""
+noise, is not projected from; nor is a context beyond the target's window), the step in parts (its experts over
+every load), decode after a filled context (--filled) and the median of several loads (--repeats), each in a
+process of its own."""
 
 import os
 import sys
@@ -45,6 +46,28 @@ def test_the_marginal_layer_and_each_processs_experts_alone():
                                                                                                                 None]
 
 
+def test_the_step_in_parts_takes_the_experts_over_every_load():
+    """step_parts: the experts per MoE layer as the median over every load of both checkpoints, the rest from the
+    checkpoints' difference; loads whose experts vary as the H200 host's do leave it steady where the difference
+    of two median loads swings (the projection's basis 'parts')."""
+    def load(n_moe, experts_per_layer, fixed=0.5, rest=0.3):
+        return {"context": 4096, "decode_ms_per_token": fixed + n_moe * (experts_per_layer + rest),
+                "graph_split_ms_per_token": {"experts": n_moe * experts_per_layer}}
+    small = [load(1, e) for e in (2.0, 2.1, 2.4)]
+    large = [load(2, e) for e in (1.95, 2.45, 2.05)]
+    [row] = bench_e2e.step_parts({2: [small], 3: [large]}, {2: 1, 3: 2})
+    assert row["loads"] == 6 and row["experts_ms"] == pytest.approx(2.075)  # median of 2.0 2.1 2.4 1.95 2.45 2.05
+    assert row["rest_ms"] == pytest.approx(0.3) and row["fixed_ms"] == pytest.approx(0.5)
+    assert row["moe_layer_ms"] == pytest.approx(2.375) and row["step_over_experts"] == pytest.approx(2.375 / 2.075)
+    [marginal] = bench_e2e.marginal_layer({2: [small[1]], 3: [large[2]]}, {2: 1, 3: 2})  # the median loads
+    assert marginal["moe_layer_ms"] == pytest.approx(5.2 - 2.9)  # 2.3: the two loads' luck
+    rows = bench_e2e.projection([small[1]], 1, ("int4", 128), 100.0, [row], "parts")
+    assert [r["basis"] for r in rows] == ["parts", "parts"]
+    assert rows[0]["projected_ms_per_token"] == pytest.approx(0.5 + 75 * 2.375)
+    small[0]["graph_split_ms_per_token"] = None  # a load without CPU experts in its step: no parts
+    assert bench_e2e.step_parts({2: [small], 3: [large]}, {2: 1, 3: 2}) is None
+
+
 def test_a_context_beyond_a_targets_window_is_not_projected_for_it():
     results = [{"context": 4096, "decode_ms_per_token": 6.0}, {"context": 1048448, "decode_ms_per_token": 7.0}]
     rows = bench_e2e.projection(results, 1, ("int4", 128), 100.0)
@@ -86,3 +109,37 @@ def test_each_load_runs_in_a_process_of_its_own():
     assert child != os.getpid() and bench_e2e.in_own_process(os.getpid) != child
     with pytest.raises(ValueError, match="invalid literal"):
         bench_e2e.in_own_process(int, "not a number")
+
+
+def test_main_projects_from_the_step_in_parts(tmp_path, monkeypatch, capsys):
+    """bench_e2e's two-checkpoint decode run as printed and saved: every load's figures kept, the step in parts and
+    the projection from it, the difference of the median loads beside it (the loads faked: no GPU here)."""
+    import json
+
+    from glm5_offload.tiny import make_tiny
+
+    config = json.loads((make_tiny(tmp_path / "tiny") / "config.json").read_text())
+    for n in (2, 3):  # the configs of a 2- and a 3-layer cut (1 and 2 MoE layers): all main reads of them
+        cut = {k: v[:n] if isinstance(v, list) and len(v) == config["num_hidden_layers"] else v
+               for k, v in config.items()}
+        (tmp_path / f"{n}-layers").mkdir()
+        (tmp_path / f"{n}-layers" / "config.json").write_text(json.dumps(dict(cut, num_hidden_layers=n)))
+    experts = iter([2.0, 2.1, 2.4, 1.95, 2.45, 2.05])  # per MoE layer, load by load
+
+    def fake_load(model_dir, rules, context, *rest):
+        moe = 1 if model_dir.name == "2-layers" else 2
+        e = next(experts)
+        return ({"context": context, "decode_ms_per_token": 0.5 + moe * (e + 0.3),
+                 "graph_split_ms_per_token": {"experts": moe * e}, "experts_alone_ms_per_token": moe * 1.9},
+                ("int4", 128))
+
+    monkeypatch.setattr(bench_e2e, "in_own_process", lambda fn, *args: fake_load(*args))
+    monkeypatch.setattr(bench_e2e, "read_bandwidth_gb_s", lambda: 100.0)
+    bench_e2e.main(["--dir", str(tmp_path), "--layers", "2,3", "--contexts", "4096", "--filled", "--repeats", "3",
+                    "--json", str(tmp_path / "out.json")])
+    out = capsys.readouterr().out
+    assert "| 4096 | 6 | 2.08 | 0.30 | 2.38 | 1.14x | 0.50 |" in out
+    assert "| glm-5.2 | 4096 | 2.90 | parts | 179 | 5.60 |" in out and "| glm-5.2 | 4096 | 2.90 | marginal |" in out
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert [len(loads) for loads in saved["loads"].values()] == [1, 1] and len(saved["loads"]["2"][0]) == 3
+    assert saved["step_parts"][0]["moe_layer_ms"] == pytest.approx(2.375)
