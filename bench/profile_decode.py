@@ -3,12 +3,17 @@ busy time per step and the kernel launches per step. Decode is launch-bound when
 below the step's wall time.
 
     PYTHONPATH=.:bench python3 bench/profile_decode.py --model DIR --rules glm5 [--context 4096] [--steps 8]
+        [--filled]
+
+--filled: decode after a context of random cache rows instead of its prefill (bench_context.fill: a 1M context's
+step in seconds).
 """
 
 import argparse
 import time
 
 import torch
+from bench_context import fill
 from torch.profiler import ProfilerActivity, profile
 
 from glm5_offload.loader import load_model
@@ -23,14 +28,20 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--filled", action="store_true", help="a context of random cache rows, not prefilled")
     args = parser.parse_args(argv)
     max_seq_len = args.context + 4 * args.steps
     model = load_model(args.model, rules=load_rules(args.rules), max_seq_len=max_seq_len)
     engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=4096)
     engine.stop_ids = set()
-    prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
-    first = engine.generate(prompt.tolist(), args.steps)  # prefill, and the warm-up steps
-    ids = first.prompt_ids + first.output_ids
+    if args.filled:  # the cached rows are the prompt's prefix: one token prefilled, then the warm-up steps
+        fill(engine, args.context)
+        ids = engine.cache_ids + [0]
+        engine.generate(ids, args.steps)
+    else:
+        prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+        first = engine.generate(prompt.tolist(), args.steps)  # prefill, and the warm-up steps
+        ids = first.prompt_ids + first.output_ids
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
