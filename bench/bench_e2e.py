@@ -99,8 +99,8 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
 
 def in_own_process(fn, *args):
     """fn(*args) in a fresh process (spawned: no CUDA context, allocator caches or memory maps of earlier loads), as
-    a user's process loads one model. Loads one after another in one process measured their CPU experts up to 1.5x
-    slower from the fourth 1M-context load on (H200 machine, session 30), each in its own process not."""
+    a user's process loads one model. Loads after earlier 1M-context loads in the same process ran their CPU experts
+    up to 1.5x slower (H200 machine, sessions 29-30); each in a process of its own, not."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
 
