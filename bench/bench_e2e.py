@@ -1,8 +1,8 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
-    PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --fp8 --discard]
-        [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16] [--prefill-chunk 16384]
-        [--peer all,offload] [--prefill-only | --filled] [--repeats 1] [--json FILE]
+    PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --indexshare --fp8]
+        [--discard] [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16]
+        [--prefill-chunk 16384] [--peer all,offload] [--prefill-only | --filled] [--repeats 1] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5 bench`'s
 measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
@@ -13,10 +13,13 @@ bandwidth and the projection to GLM-5 and GLM-5.2: with two layer counts, the co
 targets' MoE layers plus the fixed rest, the layer's cost in parts (step_parts: its CPU experts' time in the step, the
 median over every load, whose speed varies from one to the next on the H200 machine's host; the rest from the
 checkpoints' difference) and, beside it, the difference of the median loads (marginal_layer) with each run's CPU
-experts timed alone in its own process (benchmark.experts_alone); with one, the whole measured step per MoE layer
-(which also charges it the dense layer, embedding and head: conservative); next to the host-bandwidth bound (the
-active experts' bytes per token in the placement's format / read bandwidth); and the first checkpoint's last-context
-prefill, from its synchronised split, per layer kind (benchmark.prefill_projection)."""
+experts timed alone in its own process (benchmark.experts_alone); with --indexshare, a third cut whose last layer is
+an IndexShare shared layer (it reuses the selection below it: no indexer) measured against the smaller one gives the
+step taken for the targets' shared MoE layers (GLM-5.2's 57 of 75; the cuts' layers are otherwise all "full"); with
+one layer count, the whole measured step per MoE layer (which also charges it the dense layer, embedding and head:
+conservative); next to the host-bandwidth bound (the active experts' bytes per token in the placement's format / read
+bandwidth); and the first checkpoint's last-context prefill, from its synchronised split, per layer kind
+(benchmark.prefill_projection)."""
 
 import argparse
 import dataclasses
@@ -120,24 +123,29 @@ def median_trial(trials: list[tuple[dict, tuple | None]]) -> tuple[dict, tuple |
 
 
 def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: float,
-               layer: list[dict] | None = None, basis: str = "marginal") -> list[dict]:
+               layer: list[dict] | None = None, basis: str = "marginal",
+               shared: list[dict] | None = None) -> list[dict]:
     """Decode per token of each target: the fixed part plus its MoE layers times one MoE layer's step where two
-    layer counts were measured (`layer`: step_parts' or marginal_layer's rows, named by `basis`), else the whole
-    measured step per MoE layer (conservative). A layer's step cheaper than its experts' bytes at the read bandwidth
-    is the runs' noise, not a speed: that row takes the conservative basis (and says so). A context beyond a
-    target's max_position_embeddings has no row."""
+    layer counts were measured (`layer`: step_parts' or marginal_layer's rows, named by `basis`; `shared`: the same
+    for a MoE layer that is an IndexShare shared layer, which reuses the selection below it, taken for a target's
+    shared MoE layers), else the whole measured step per MoE layer (conservative). A step cheaper than its experts'
+    bytes at the read bandwidth is the runs' noise, not a speed: that row takes the conservative basis (and says so).
+    A context beyond a target's max_position_embeddings has no row."""
     rows = []
     for target in TARGETS:
         config = load_config(target)
         moe = len(config.moe_layers)
+        full = sum(config.indexer_types[i] == "full" for i in config.moe_layers) if shared else moe
         bound_ms = None if fmt is None else nbytes(config.active_expert_weights, *fmt) / read_gb_s / 1e6
         for i, r in enumerate(results):
             if r["context"] > config.max_position_embeddings:  # GLM-5 at 1M: only GLM-5.2 reaches it
                 continue
-            name = basis if layer else "whole step"
-            if layer and bound_ms is not None and layer[i]["moe_layer_ms"] * moe < bound_ms:
+            name = basis + (", IndexShare" if full < moe else "") if layer else "whole step"
+            steps = 0.0 if not layer else full * layer[i]["moe_layer_ms"] + (
+                (moe - full) * shared[i]["moe_layer_ms"] if full < moe else 0.0)
+            if layer and bound_ms is not None and steps < bound_ms:
                 name = f"whole step ({basis} below the bound: noise)"
-            ms = (layer[i]["fixed_ms"] + moe * layer[i]["moe_layer_ms"] if name == basis
+            ms = (layer[i]["fixed_ms"] + steps if layer and not name.startswith("whole step")
                   else r["decode_ms_per_token"] * moe / measured_moe)
             rows.append({"target": target, "context": r["context"], "measured_ms_per_token": r["decode_ms_per_token"],
                          "basis": name, "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
@@ -233,6 +241,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=1,
                         help="loads of each checkpoint at each context, one after another: the median's figures "
                              "are kept (a load's CPU experts vary in speed)")
+    parser.add_argument("--indexshare", action="store_true",
+                        help="with --layers a,b: also the b-layer cut with its last layer an IndexShare shared layer "
+                             "(DIR/<b>-layers-shared), for the step of the targets' shared MoE layers (GLM-5.2's)")
     parser.add_argument("--peer", default="", help="transformers modes beside ours: all, offload (bench_peer.py)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
@@ -244,13 +255,21 @@ def main(argv=None):
         rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
     if args.sampled_topk is not None:
         rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": args.sampled_topk}, "--sampled-topk")
+    checkpoints = [(n, n, None) for n in counts]  # (key, layers, make_tiny's overrides)
+    if args.indexshare:
+        if len(counts) != 2:
+            parser.error("--indexshare needs two layer counts (--layers a,b)")
+        if "shared" not in load_config(args.preset).indexer_types:
+            parser.error(f"--indexshare: {args.preset} has no IndexShare shared layers")
+        checkpoints.append(("shared", counts[1], {"indexer_types": ["full"] * (counts[1] - 1) + ["shared"]}))
     runs, loads, moe, configs, fmt, peers = {}, {}, {}, {}, None, []
-    for n in counts:
-        model_dir = Path(args.dir) if len(counts) == 1 else Path(args.dir) / f"{n}-layers"
+    for key, n, overrides in checkpoints:
+        name = f"{n}-layers" + ("-shared" if overrides else "")
+        model_dir = Path(args.dir) if len(checkpoints) == 1 else Path(args.dir) / name
         if not (model_dir / "config.json").is_file():
-            make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8)
-        config = configs[n] = load_config(model_dir)
-        runs[n], loads[n], moe[n] = [], [], len(config.moe_layers)
+            make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8, overrides=overrides)
+        config = configs[key] = load_config(model_dir)
+        runs[key], loads[key], moe[key] = [], [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):
             trials = []
             for _ in range(args.repeats):
@@ -260,16 +279,16 @@ def main(argv=None):
                     print(format_table(trials[-1][0]), flush=True)
             result, fmt = median_trial(trials)
             if args.repeats > 1:
-                print(f"{n} layers, context {context}: the median of {args.repeats} loads, "
+                print(f"{name}, context {context}: the median of {args.repeats} loads, "
                       f"{trial_ms(result):.2f} ms{'' if args.prefill_only else '/token'} (of "
                       + ", ".join(f"{trial_ms(t):.2f}" for t, _ in trials) + ")", flush=True)
-            runs[n].append(result)
-            loads[n].append([t for t, _ in trials])
-        for mode in filter(None, args.peer.split(",") if n == counts[0] and not (args.prefill_only or args.filled)
+            runs[key].append(result)
+            loads[key].append([t for t, _ in trials])
+        for mode in filter(None, args.peer.split(",") if key == counts[0] and not (args.prefill_only or args.filled)
                            else []):
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            peer = bench_peer.run(str(model_dir), device, mode == "offload", runs[n][0]["context"], 4)
-            ours = runs[n][0]["decode_ms_per_token"] / config.num_hidden_layers
+            peer = bench_peer.run(str(model_dir), device, mode == "offload", runs[key][0]["context"], 4)
+            ours = runs[key][0]["decode_ms_per_token"] / config.num_hidden_layers
             peer["our_decode_speedup_per_layer"] = peer["decode_ms_per_layer"] / ours
             peers.append(peer)
             print(f"transformers ({peer['mode']}), context {peer['context']}: decode {peer['decode_ms_per_layer']:.2f} "
@@ -279,35 +298,50 @@ def main(argv=None):
                 shutil.rmtree(expert_store(cache_dir() / "experts", model_dir, *fmt).folder, ignore_errors=True)
             shutil.rmtree(model_dir)
     results, measured_moe, layers = runs[counts[0]], moe[counts[0]], counts[0]
-    marginal = marginal_layer(runs, moe) if len(counts) == 2 and not args.prefill_only else None
+    pairs = {}  # MoE layer kind -> the two checkpoints it is measured between (the cuts' layers are all "full")
+    if len(counts) == 2 and not args.prefill_only:
+        pairs["full"] = counts
+        if args.indexshare:
+            pairs["shared"] = counts[0], "shared"
+    marginal = {kind: marginal_layer({0: runs[a], 1: runs[b]}, {0: moe[a], 1: moe[b]})
+                for kind, (a, b) in pairs.items()}
+    in_parts = {kind: step_parts({0: loads[a], 1: loads[b]}, {0: moe[a], 1: moe[b]})
+                for kind, (a, b) in pairs.items()}
     if marginal:
         print("\none more MoE layer, from the checkpoints' difference (decode from CUDA graphs)")
-        print("| context | step ms per MoE layer | CPU experts ms | step / experts (goal <= 1.1) | fixed ms | "
+        print("| context | layer | step ms per MoE layer | CPU experts ms | step / experts (goal <= 1.1) | fixed ms | "
               "experts alone ms a layer (each checkpoint's process) |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for m in marginal:
-            experts = "-" if m["moe_layer_experts_ms"] is None else f"{m['moe_layer_experts_ms']:.2f}"
-            ratio = "-" if m["step_over_experts"] is None else f"{m['step_over_experts']:.2f}x"
-            alone = ", ".join("-" if v is None else f"{v:.2f}" for v in m["experts_alone_ms_per_layer"])
-            print(f"| {m['context']} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | {m['fixed_ms']:.2f} | {alone} |")
-    parts = step_parts(loads, moe) if marginal else None
-    if parts:
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for kind, rows in marginal.items():
+            for m in rows:
+                experts = "-" if m["moe_layer_experts_ms"] is None else f"{m['moe_layer_experts_ms']:.2f}"
+                ratio = "-" if m["step_over_experts"] is None else f"{m['step_over_experts']:.2f}x"
+                alone = ", ".join("-" if v is None else f"{v:.2f}" for v in m["experts_alone_ms_per_layer"])
+                print(f"| {m['context']} | {kind} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | "
+                      f"{m['fixed_ms']:.2f} | {alone} |")
+    if in_parts and all(in_parts.values()):
         print("\none MoE layer's step in parts: its CPU experts (the median over every load of both checkpoints) and "
               "the rest (the checkpoints' difference of the step less its experts)")
-        print("| context | loads | CPU experts ms | rest ms | step ms | step / experts (goal <= 1.1) | fixed ms |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
-        for p in parts:
-            print(f"| {p['context']} | {p['loads']} | {p['experts_ms']:.2f} | {p['rest_ms']:.2f} | "
-                  f"{p['moe_layer_ms']:.2f} | {p['step_over_experts']:.2f}x | {p['fixed_ms']:.2f} |")
+        print("| context | layer | loads | CPU experts ms | rest ms | step ms | step / experts (goal <= 1.1) | "
+              "fixed ms |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for kind, rows in in_parts.items():
+            for p in rows:
+                print(f"| {p['context']} | {kind} | {p['loads']} | {p['experts_ms']:.2f} | {p['rest_ms']:.2f} | "
+                      f"{p['moe_layer_ms']:.2f} | {p['step_over_experts']:.2f}x | {p['fixed_ms']:.2f} |")
+    else:
+        in_parts = {}
     read_gb_s, rows = None, []
     if not args.prefill_only:
         read_gb_s = read_bandwidth_gb_s()
-        layer, basis = (parts, "parts") if parts else (marginal, "marginal")
-        rows = projection(results, measured_moe, fmt, read_gb_s, layer, basis)
-        if parts:  # the difference of the median loads beside it
-            rows += projection(results, measured_moe, fmt, read_gb_s, marginal)
+        first = next(iter(pairs), None)  # the layer kind the fixed part is taken with
+        layer, basis = (in_parts, "parts") if in_parts else (marginal, "marginal")
+        rows = projection(results, measured_moe, fmt, read_gb_s, layer.get(first), basis, layer.get("shared"))
+        if in_parts:  # the difference of the median loads beside it
+            rows += projection(results, measured_moe, fmt, read_gb_s, marginal[first], "marginal",
+                               marginal.get("shared"))
         how = {"parts": "fixed part + one MoE layer's step in parts per MoE layer",
-               "marginal": "fixed part + one MoE layer's step per MoE layer"}[basis] if layer else \
+               "marginal": "fixed part + one MoE layer's step per MoE layer"}[basis] if first else \
             "the whole step per MoE layer"
         print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read "
               f"{read_gb_s:.0f} GB/s; {how}")
@@ -332,7 +366,7 @@ def main(argv=None):
                   f"({p['projected_prefill_s'] / 60:.1f} min) |")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "loads": loads, "peers": peers, "read_gb_s": read_gb_s,
-                                               "marginal_layer": marginal, "step_parts": parts, "projection": rows,
+                                               "marginal_layer": marginal, "step_parts": in_parts, "projection": rows,
                                                "prefill_projection": prefill_rows}, indent=1))
     return results
 

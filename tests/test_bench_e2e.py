@@ -111,35 +111,65 @@ def test_each_load_runs_in_a_process_of_its_own():
         bench_e2e.in_own_process(int, "not a number")
 
 
-def test_main_projects_from_the_step_in_parts(tmp_path, monkeypatch, capsys):
-    """bench_e2e's two-checkpoint decode run as printed and saved: every load's figures kept, the step in parts and
-    the projection from it, the difference of the median loads beside it (the loads faked: no GPU here)."""
+def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None):
+    """Configs of a 2- and a 3-layer cut of the tiny model (1 and 2 MoE layers; with shared_rest, a 3-layer one whose
+    last layer is an IndexShare shared layer: all main reads of them) and bench_context faked: each load's step is
+    0.5 ms + per MoE layer its experts (the next of `experts`) + 0.3 ms of rest (a shared layer's: shared_rest)."""
     import json
 
     from glm5_offload.tiny import make_tiny
 
     config = json.loads((make_tiny(tmp_path / "tiny") / "config.json").read_text())
-    for n in (2, 3):  # the configs of a 2- and a 3-layer cut (1 and 2 MoE layers): all main reads of them
+    cuts = {"2-layers": 2, "3-layers": 3} | ({"3-layers-shared": 3} if shared_rest is not None else {})
+    for name, n in cuts.items():
         cut = {k: v[:n] if isinstance(v, list) and len(v) == config["num_hidden_layers"] else v
                for k, v in config.items()}
-        (tmp_path / f"{n}-layers").mkdir()
-        (tmp_path / f"{n}-layers" / "config.json").write_text(json.dumps(dict(cut, num_hidden_layers=n)))
-    experts = iter([2.0, 2.1, 2.4, 1.95, 2.45, 2.05])  # per MoE layer, load by load
+        if name.endswith("shared"):
+            cut["indexer_types"] = ["full", "full", "shared"]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(dict(cut, num_hidden_layers=n)))
+    experts = iter(experts)
 
-    def fake_load(model_dir, rules, context, *rest):
-        moe = 1 if model_dir.name == "2-layers" else 2
+    def fake_load(fn, model_dir, rules, context, *rest):
         e = next(experts)
-        return ({"context": context, "decode_ms_per_token": 0.5 + moe * (e + 0.3),
-                 "graph_split_ms_per_token": {"experts": moe * e}, "experts_alone_ms_per_token": moe * 1.9},
-                ("int4", 128))
+        layers = [0.3] if model_dir.name == "2-layers" else [0.3, shared_rest if model_dir.name.endswith("shared")
+                                                                 else 0.3]
+        return ({"context": context, "decode_ms_per_token": 0.5 + sum(e + r for r in layers),
+                 "graph_split_ms_per_token": {"experts": len(layers) * e},
+                 "experts_alone_ms_per_token": len(layers) * 1.9}, ("int4", 128))
 
-    monkeypatch.setattr(bench_e2e, "in_own_process", lambda fn, *args: fake_load(*args))
+    monkeypatch.setattr(bench_e2e, "in_own_process", fake_load)
     monkeypatch.setattr(bench_e2e, "read_bandwidth_gb_s", lambda: 100.0)
+
+
+def test_main_projects_from_the_step_in_parts(tmp_path, monkeypatch, capsys):
+    """bench_e2e's two-checkpoint decode run as printed and saved: every load's figures kept, the step in parts and
+    the projection from it, the difference of the median loads beside it (the loads faked: no GPU here)."""
+    import json
+
+    fake_checkpoints(tmp_path, monkeypatch, [2.0, 2.1, 2.4, 1.95, 2.45, 2.05])  # per MoE layer, load by load
     bench_e2e.main(["--dir", str(tmp_path), "--layers", "2,3", "--contexts", "4096", "--filled", "--repeats", "3",
                     "--json", str(tmp_path / "out.json")])
     out = capsys.readouterr().out
-    assert "| 4096 | 6 | 2.08 | 0.30 | 2.38 | 1.14x | 0.50 |" in out
+    assert "| 4096 | full | 6 | 2.08 | 0.30 | 2.38 | 1.14x | 0.50 |" in out
     assert "| glm-5.2 | 4096 | 2.90 | parts | 179 | 5.60 |" in out and "| glm-5.2 | 4096 | 2.90 | marginal |" in out
     saved = json.loads((tmp_path / "out.json").read_text())
     assert [len(loads) for loads in saved["loads"].values()] == [1, 1] and len(saved["loads"]["2"][0]) == 3
-    assert saved["step_parts"][0]["moe_layer_ms"] == pytest.approx(2.375)
+    assert saved["step_parts"]["full"][0]["moe_layer_ms"] == pytest.approx(2.375)
+
+
+def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, monkeypatch, capsys):
+    """--indexshare: a third cut whose last layer is a shared layer gives the step of a MoE layer that reuses the
+    selection below it; GLM-5.2's 57 shared MoE layers take that step, its 18 full ones the full layers' (GLM-5's
+    75 are all full)."""
+    fake_checkpoints(tmp_path, monkeypatch, [2.0] * 6, shared_rest=0.1)
+    bench_e2e.main(["--dir", str(tmp_path), "--preset", "glm-5.2", "--layers", "2,3", "--indexshare", "--contexts",
+                    "4096", "--filled", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "| 4096 | full | 4 | 2.00 | 0.30 | 2.30 | 1.15x | 0.50 |" in out
+    assert "| 4096 | shared | 4 | 2.00 | 0.10 | 2.10 | 1.05x | 0.70 |" in out
+    assert f"| glm-5.2 | 4096 | 2.80 | parts, IndexShare | {0.5 + 18 * 2.3 + 57 * 2.1:.0f} |" in out
+    assert f"| glm-5 | 4096 | 2.80 | parts | {0.5 + 75 * 2.3:.0f} |" in out
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--dir", str(tmp_path), "--preset", "glm-5", "--layers", "2,3", "--indexshare"])
+    assert "--indexshare: glm-5 has no IndexShare shared layers" in capsys.readouterr().err
