@@ -239,8 +239,8 @@ def main(argv=None):
                       help="decode only, after a context of random cache rows instead of its prefill (a 1M context "
                            "in seconds): no prefill figures")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="loads of each checkpoint at each context, one after another: the median's figures "
-                             "are kept (a load's CPU experts vary in speed)")
+                        help="loads of each checkpoint at each context, each in a process of its own: the median's "
+                             "figures are kept (a load's CPU experts vary in speed)")
     parser.add_argument("--indexshare", action="store_true",
                         help="with --layers a,b: also the b-layer cut with its last layer an IndexShare shared layer "
                              "(DIR/<b>-layers-shared), for the step of the targets' shared MoE layers (GLM-5.2's)")
