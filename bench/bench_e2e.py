@@ -140,13 +140,14 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
         for i, r in enumerate(results):
             if r["context"] > config.max_position_embeddings:  # GLM-5 at 1M: only GLM-5.2 reaches it
                 continue
-            name = basis + (", IndexShare" if full < moe else "") if layer else "whole step"
-            steps = 0.0 if not layer else full * layer[i]["moe_layer_ms"] + (
-                (moe - full) * shared[i]["moe_layer_ms"] if full < moe else 0.0)
-            if layer and bound_ms is not None and steps < bound_ms:
-                name = f"whole step ({basis} below the bound: noise)"
-            ms = (layer[i]["fixed_ms"] + steps if layer and not name.startswith("whole step")
-                  else r["decode_ms_per_token"] * moe / measured_moe)
+            ms, name = r["decode_ms_per_token"] * moe / measured_moe, "whole step"
+            if layer:
+                steps = full * layer[i]["moe_layer_ms"] + ((moe - full) * shared[i]["moe_layer_ms"] if full < moe
+                                                           else 0.0)
+                if bound_ms is not None and steps < bound_ms:
+                    name = f"whole step ({basis} below the bound: noise)"
+                else:
+                    ms, name = layer[i]["fixed_ms"] + steps, basis + (", IndexShare" if full < moe else "")
             rows.append({"target": target, "context": r["context"], "measured_ms_per_token": r["decode_ms_per_token"],
                          "basis": name, "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
                          "bound_tok_s": None if bound_ms is None else 1e3 / bound_ms,
@@ -319,7 +320,9 @@ def main(argv=None):
                 alone = ", ".join("-" if v is None else f"{v:.2f}" for v in m["experts_alone_ms_per_layer"])
                 print(f"| {m['context']} | {kind} | {m['moe_layer_ms']:.2f} | {experts} | {ratio} | "
                       f"{m['fixed_ms']:.2f} | {alone} |")
-    if in_parts and all(in_parts.values()):
+    if not all(in_parts.values()):  # a load without the graph split (no CPU experts in the step): no parts
+        in_parts = {}
+    if in_parts:
         print("\none MoE layer's step in parts: its CPU experts (the median over every load of both checkpoints) and "
               "the rest (the checkpoints' difference of the step less its experts)")
         print("| context | layer | loads | CPU experts ms | rest ms | step ms | step / experts (goal <= 1.1) | "
@@ -329,8 +332,6 @@ def main(argv=None):
             for p in rows:
                 print(f"| {p['context']} | {kind} | {p['loads']} | {p['experts_ms']:.2f} | {p['rest_ms']:.2f} | "
                       f"{p['moe_layer_ms']:.2f} | {p['step_over_experts']:.2f}x | {p['fixed_ms']:.2f} |")
-    else:
-        in_parts = {}
     read_gb_s, rows = None, []
     if not args.prefill_only:
         read_gb_s = read_bandwidth_gb_s()
@@ -340,9 +341,8 @@ def main(argv=None):
         if in_parts:  # the difference of the median loads beside it
             rows += projection(results, measured_moe, fmt, read_gb_s, marginal[first], "marginal",
                                marginal.get("shared"))
-        how = {"parts": "fixed part + one MoE layer's step in parts per MoE layer",
-               "marginal": "fixed part + one MoE layer's step per MoE layer"}[basis] if first else \
-            "the whole step per MoE layer"
+        how = (f"fixed part + one MoE layer's step{' in parts' if in_parts else ''} per MoE layer" if first
+               else "the whole step per MoE layer")
         print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read "
               f"{read_gb_s:.0f} GB/s; {how}")
         print("| model | context | measured ms/token | basis | projected ms/token | tok/s | host-BW bound tok/s | "
