@@ -86,7 +86,7 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
     if arch == "glm_moe_dsa":
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-        config = GlmMoeDsaConfig(**{**COMMON, **overrides}, index_topk_pattern="FSSSF",
+        config = GlmMoeDsaConfig(**{**COMMON, "index_topk_pattern": "FSSSF", **overrides},
                                  rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
         model = GlmMoeDsaForCausalLM(config)
     else:
