@@ -58,15 +58,48 @@ def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
         assert pieces.offload_stats()["misses"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_the_query_beside_the_fetch_changes_no_bit(hf_checkpoint, tmp_path, monkeypatch, kv_dtype):
+    """A decode step computes its attention's query on a side stream (model/mla.py's Beside), beside the cache's
+    write, the indexer and the tiered fetch: replayed from graphs and run eagerly, the same logits bit for bit as
+    with every kernel in order on one stream (BESIDE_ROWS 0), over a context far larger than the hot buffer."""
+    from glm5_offload.model import mla
+
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    row = 32 + 4 + 16 * 2 if kv_dtype == "fp8" else 48 * 4  # bytes of one latent row (fp32 model): 24 hot rows
+    kwargs = f"{{kv_offload: true, hot_budget: {24 * row}, window: 4, kv_dtype: {kv_dtype}}}"
+    model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", "cuda", kwargs))
+    prompt = torch.randint(4, 320, (90,), generator=torch.Generator().manual_seed(5)).cuda()
+    tokens = torch.randint(4, 320, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def decode(beside_rows: int):
+        monkeypatch.setattr(mla, "BESIDE_ROWS", beside_rows)
+        eager, pieces = new_cache(model, 128), new_cache(model, 128)
+        model(prompt, eager)
+        model(prompt, pieces)
+        graphs = DecodeGraphs(model, pieces, capture=True, min_bucket=16)
+        out = [(graphs.step(token), model(torch.tensor([token], device="cuda"), eager)[-1]) for token in tokens]
+        assert pieces.offload_stats()["misses"] > 0
+        return torch.stack([g for g, _ in out]), torch.stack([e for _, e in out])
+
+    in_order, beside = decode(0), decode(16)
+    assert torch.equal(beside[0], in_order[0]) and torch.equal(beside[1], in_order[1])
+
+
 def test_the_forward_steps_cut_at_each_moe_layers_host_work(tiny_dir):
     """The model's own steps, cut as the graphs take them: per MoE layer a piece up to its routing (the host's
-    wait covers it), the shared expert alone, then the host's experts; the final piece ends with the logits."""
+    wait covers it), the shared expert (and in a full layer with IndexShare layers above it, their rows' fetch: off
+    the path from the experts' end to the next layer), then the host's experts; the final piece ends with the
+    logits."""
     model = build_model(load_config(tiny_dir()))
     cut = pieces(model.steps())
     hosts = [i for i, piece in enumerate(cut) if piece.host is not None]
     assert len(hosts) == len(model.config.moe_layers) == 4
-    for i in hosts:
-        assert cut[i - 1].cut and cut[i - 1].host is None and len(cut[i].steps) == 1 and not cut[i].cut
+    fetching = [bool(model.shared_after.get(layer)) for layer in model.config.moe_layers]
+    assert any(fetching) and not all(fetching)
+    for i, fetches in zip(hosts, fetching):
+        assert cut[i - 1].cut and cut[i - 1].host is None and len(cut[i].steps) == 1 + fetches and not cut[i].cut
     assert len(cut) == 2 * len(hosts) + 1 and cut[-1].host is None and not cut[-1].cut
     assert sum(len(piece.steps) for piece in cut) == len([s for s in model.steps() if s is not CUT
                                                           and not isinstance(s, HostStep)])

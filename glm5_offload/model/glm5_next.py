@@ -19,7 +19,7 @@ from .glm_moe_dsa import CausalLM as DsaCausalLM
 from .kda import KDA
 from .mla import Attention
 from .pooled_indexer import PooledIndexer
-from .steps import Pass
+from .steps import Pass, beside_host
 
 
 class HyperConnection(nn.Module):
@@ -122,8 +122,6 @@ class CausalLM(DsaCausalLM):
 
         steps = [prepare, embed] if moe else [embed]
         for layer in self.model.layers:
-            steps += layer.steps()
             shared = self.shared_after.get(layer.layer)
-            if shared:
-                steps.append(self.prefetch(shared))
+            steps += beside_host(layer.steps(), self.prefetch(shared)) if shared else layer.steps()
         return steps + [head]

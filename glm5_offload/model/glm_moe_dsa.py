@@ -14,7 +14,7 @@ from ..util import span
 from .blocks import MLP, LMHead, MoE, RMSNorm
 from .mla import Attention
 from .rope import cos_sin, inv_freq_and_scaling
-from .steps import Pass, run_steps
+from .steps import Pass, beside_host, run_steps
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +88,8 @@ class CausalLM(nn.Module):
     def steps(self) -> list:
         """The whole forward as steps on a Pass: the first MoE layer's experts told how long the chunk is (a long
         one streams them to the GPU, under the layers before it), embedding and rope angles, each layer's steps
-        (after a full layer with shared layers above it, IndexShare's fetch of their rows), the final norm and
-        lm_head."""
+        (in a full layer with shared layers above it, IndexShare's fetch of their rows, beside the layer's CPU experts),
+        the final norm and lm_head."""
         moe = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
         def prepare(s: Pass):
@@ -107,9 +107,8 @@ class CausalLM(nn.Module):
 
         steps = [prepare, embed] if moe else [embed]
         for layer in self.model.layers:
-            steps += layer.steps()
-            if self.shared_after.get(layer.self_attn.layer):
-                steps.append(self.prefetch(self.shared_after[layer.self_attn.layer]))
+            shared = self.shared_after.get(layer.self_attn.layer)
+            steps += beside_host(layer.steps(), self.prefetch(shared)) if shared else layer.steps()
         return steps + [head]
 
     @staticmethod

@@ -14,11 +14,12 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..formats.kv_rows import FP8Keys, dequantize_keys, dequantize_latent, quantize_keys
-from ..util import span
+from ..util import Beside, span
 from .blocks import Linear, RMSNorm
 from .rope import apply_rope
 
 SCORE_BUDGET = 1 << 26  # queries per chunk are bounded so that heads x queries x keys scores stay near this many
+BESIDE_ROWS = 16  # a pass of up to this many tokens computes its attention's query on a side stream (on a GPU)
 
 
 @dataclass(frozen=True)
@@ -210,11 +211,18 @@ class Attention(nn.Module):
     def _forward(self, x, cos, sin, cache, positions, end, shared_indices):
         S = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        w = self.kv_b_weight(x)
+        # a decode step's query (q_b_proj, rope, W_UK) on a GPU's side stream, beside the cache's write, the indexer
+        # and the tiered fetch (each a chain of small kernels)
+        with Beside(x.device, on=S <= BESIDE_ROWS) as query:
+            q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
+            q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+            if self.rope_dim:  # GLM-5.3-Flash's has none
+                q_pe = self.rope(q_pe, cos, sin)
+            q_lat = self.absorb_query(q_nope, w)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if self.rope_dim:  # GLM-5.3-Flash's has none
-            q_pe, k_pe = self.rope(q_pe, cos, sin), self.rope(k_pe, cos, sin)
+        if self.rope_dim:
+            k_pe = self.rope(k_pe, cos, sin)
         cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:
@@ -222,10 +230,9 @@ class Attention(nn.Module):
                 indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
         else:
             indices = shared_indices
-        w = self.kv_b_weight(x)
-        q_lat = self.absorb_query(q_nope, w)
         o_lse = None  # a key slab of the cache after the first merges into the earlier ones' attention
         for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
+            query.join()  # (after the first slab's fetch: the later joins find nothing more to wait for)
             o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
         out = self.absorb_output(o_lse[0], w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices

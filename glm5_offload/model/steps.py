@@ -39,6 +39,15 @@ class HostStep:
         self.fn(s)
 
 
+def beside_host(steps: list, step) -> list:
+    """steps with `step` put where the GPU runs beside the host's work: just before the first HostStep (after the CUT
+    that the host waits on: in decode's graphs, the piece that runs while the CPU experts do), or at the end of steps
+    without one. For GPU work that later layers need and this layer's next steps do not."""
+    hosts = [i for i, t in enumerate(steps) if isinstance(t, HostStep)]
+    at = hosts[0] if hosts else len(steps)
+    return steps[:at] + [step] + steps[at:]
+
+
 def run_steps(steps: list, s: Pass):
     """Run steps in order, eagerly."""
     for step in steps:

@@ -18,6 +18,7 @@ from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
 from ..kernels import dsa_triton
 from ..model import KDA, CausalLM, KDAState, LatentLayout, PooledKeys
+from ..util import side_stream
 from .tiered_kv import TieredLatent
 
 
@@ -71,7 +72,6 @@ class KVCache:
                 self.index_keys[i] = torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype)
         self.prefetched: dict[int, torch.cuda.Event | None] = {}  # offloaded layer -> its pending prefetch
         self.sorted_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, sorted): row_slabs' last
-        self.side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.kda = {i: KDAState(config, device, dtype) for i, device in (kda_devices or {}).items()}
         self.resume_point: tuple[int, dict[str, torch.Tensor]] | None = None  # (length, copies of the states)
         self.length = 0  # tokens whose rows are written in every layer
@@ -201,9 +201,7 @@ class KVCache:
                 rows_store.fetch(indices, positions)
                 self.prefetched[layer] = None
                 continue
-            if rows_store.device not in self.side_streams:
-                self.side_streams[rows_store.device] = torch.cuda.Stream(rows_store.device)
-            side = self.side_streams[rows_store.device]
+            side = side_stream(rows_store.device)
             side.wait_stream(torch.cuda.current_stream(rows_store.device))
             with torch.cuda.stream(side):
                 rows_store.fetch(indices, positions)
