@@ -275,10 +275,14 @@ def _fp8_dequantize_kernel(w_ptr, ws_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr):
     tl.store(out_ptr + n.to(tl.int64)[:, None] * K + k[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.cache
 def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters of split decode tiles (each left at 0 by the tile's last program). One per device: kernels
-    that split run on one stream at a time."""
+    """Arrival counters of split decode tiles (each left at 0 by the tile's last program), one set per stream of a
+    GPU: split kernels on two streams run at once (a decode step's query beside its indexer, model/mla.py)."""
+    return _counters(device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+
+
+@functools.cache
+def _counters(device: torch.device, stream: int) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 

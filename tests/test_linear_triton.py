@@ -119,6 +119,28 @@ def e4m3_bits(x8: torch.Tensor) -> torch.Tensor:
     return torch.where((bits & 0x7F) == 0x7F, 0x7F, bits)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_gemvs_on_two_streams_at_once():
+    """Split decode GEMVs queued on the side stream and on the current one at once (as a decode step's query runs
+    beside its indexer, model/mla.py): each equals its result alone, bit for bit (a stream's tiles count their
+    arrivals in counters of its own)."""
+    from glm5_offload.util import Beside
+
+    device = torch.device("cuda")
+    x = random((1, 2048), 1).to(device, torch.bfloat16)
+    weights = [[t.to(device) for t in fp8_blocks.quantize(random((n, 2048), n))] for n in (16384, 8192)]
+    want = [linear_triton.fp8_linear(x, *w) for w in weights]
+    for _ in range(50):
+        with Beside(device) as side:
+            first = linear_triton.fp8_linear(x, *weights[0])
+        second = linear_triton.fp8_linear(x, *weights[1])
+        side.join()
+        assert torch.equal(first, want[0]) and torch.equal(second, want[1])
+    torch.cuda.synchronize()
+    assert not linear_triton._tile_counters(device).any()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not linear_triton.has_blockwise_fp8_mm(torch.device("cuda")),
                     reason="needs cuBLAS's blockwise FP8 GEMM (sm90)")
 def test_cublas_blockwise_prefill_equals_the_reference():
