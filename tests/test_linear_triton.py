@@ -273,22 +273,29 @@ def test_prefill_widens_the_projections_but_not_lm_head():
 
 def test_int4_weights_keep_a_trained_models_greedy_tokens(trained_checkpoint, tmp_path, monkeypatch):
     """Issue 17's accuracy bar: with every projection and lm_head in int4 (linear.triton, groups chosen to fit), the
-    trained tiny model's greedy next token, teacher-forced over 64 tokens, is its bf16 self's >= 90% of the time
-    (measured 95%, fp8 100%, since the model trains for 250 steps; on make-tiny's random model 22% and 50%). The decode kernels (one row a step) pick what
-    the widened prefill path picks."""
-    from conftest import bf16_continuation, greedy_agreement
+    trained tiny model's greedy next token, teacher-forced over its four sequences' 64 tokens each, is its bf16
+    self's >= 90% of the time (fp8: 100%; on make-tiny's random model 22% and 50%). The training's rounding, and so
+    each sequence's figure, depends on the CPU and its threads: one sequence's 64 tokens agreed 95% on one 2-core
+    machine and 89% on another (the four: 89, 95, 94, 91%, 92% in all). The decode kernels (one row a step) give
+    the widened prefill path's logits up to bf16 rounding (their argmax, compared before, differs where two logits
+    are that close)."""
+    from conftest import greedy_agreement
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path, data = trained_checkpoint
-    prompt = data[0, :16].tolist()
-    tokens = bf16_continuation(path, prompt)
-    assert tokens == data[0, 16:].tolist()  # it learnt the sequence
+    bf16 = load_model(path, dtype=torch.bfloat16, rules=load_rules("glm5-cpu"))
     int4 = load_model(path, dtype=torch.bfloat16, rules=load_rules(fast_linears(tmp_path, "int4")))
     assert int4.model.layers[1].self_attn.o_proj.fmt == "int4"
-    assert greedy_agreement(int4, prompt, tokens) >= 0.9
-    forced = int4(torch.tensor(prompt + tokens), new_cache(int4, 128))[len(prompt) - 1 : -1].argmax(-1).tolist()
+    agreed = []
+    for sequence in data.tolist():
+        prompt, tokens = sequence[:16], sequence[16:]
+        assert greedy_agreement(bf16, prompt, tokens) == 1  # it learnt the sequence: its greedy continuation
+        agreed.append(greedy_agreement(int4, prompt, tokens))
+    assert sum(agreed) / len(agreed) >= 0.9, agreed
+    prompt, tokens = data[0, :16].tolist(), data[0, 16:].tolist()
+    forced = int4(torch.tensor(prompt + tokens), new_cache(int4, 128))[len(prompt) - 1 : -1]
     cache = new_cache(int4, 128)
-    stepped = [int4(torch.tensor(prompt), cache)[-1].argmax().item()]
+    stepped = [int4(torch.tensor(prompt), cache)[-1]]
     for token in tokens[:3]:
-        stepped.append(int4(torch.tensor([token]), cache)[-1].argmax().item())
-    assert stepped == forced[:4]
+        stepped.append(int4(torch.tensor([token]), cache)[-1])
+    assert all(rel_err(a, b) < 2e-2 for a, b in zip(stepped, forced))  # bf16 sums in another order
