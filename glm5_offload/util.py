@@ -1,5 +1,5 @@
-"""Small things every layer uses: sizes and their printing, count checks, the cache folder, device syncs, and the
-named timing spans of `glm5 bench`.
+"""Small things every layer uses: sizes and their printing, count checks, the cache folder, device syncs, a GPU's
+side stream (work beside the current stream's), and the named timing spans of `glm5 bench`.
 
 Spans: operators mark their parts with `with span("attention", device): ...`; outside a Timeline a span costs
 one global lookup. Inside one, a span synchronises its device's current stream at both ends, so on a GPU it
