@@ -14,7 +14,8 @@ targets' MoE layers plus the fixed rest, the layer's cost in parts (step_parts: 
 median over every load, whose speed varies from one to the next on the H200 machine's host; the rest from the
 checkpoints' difference) and, beside it, the difference of the median loads (marginal_layer) with each run's CPU
 experts timed alone in its own process (benchmark.experts_alone); with --indexshare, a third cut whose last layer is
-an IndexShare shared layer (it reuses the selection below it: no indexer) measured against the smaller one gives the
+an IndexShare shared layer (it reuses the selection below it: no indexer; written from the full cut, shared_cut)
+measured against the smaller one gives the
 step taken for the targets' shared MoE layers (GLM-5.2's 57 of 75; the cuts' layers are otherwise all "full"); with
 one layer count, the whole measured step per MoE layer (which also charges it the dense layer, embedding and head:
 conservative); next to the host-bandwidth bound (the active experts' bytes per token in the placement's format / read
@@ -29,12 +30,15 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import bench_peer
 import torch
 from bench_context import fill
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from glm5_offload.benchmark import (experts_alone, format_table, generate_split, prefill_projection, prefill_split,
                                     random_prompt, run_benchmark)
@@ -98,6 +102,35 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result, fmt
+
+
+def shared_cut(full: Path, out: Path, overrides: dict):
+    """--indexshare's cut written from the full cut of as many layers instead of generated again (a GLM-5.2 MoE layer
+    takes a minute or more of the device's time): make_tiny seeds each tensor by its name, so the two hold the same
+    tensors but the shared layers' indexers. The config is the full cut's with `overrides` (make_tiny's for the
+    shared cut, its indexer_types); the shards that hold a shared layer's indexer are rewritten without it, every
+    other file hard-linked (copied across file systems)."""
+    config = json.loads((full / "config.json").read_text()) | overrides
+    gone = tuple(f"model.layers.{i}.self_attn.indexer." for i, kind in enumerate(config["indexer_types"])
+                 if kind == "shared")
+    index = json.loads((full / "model.safetensors.index.json").read_text())
+    dropped = {name: file for name, file in index["weight_map"].items() if name.startswith(gone)}
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    for f in full.iterdir():
+        if f.name in dropped.values():
+            with safe_open(f, "pt") as shard:
+                index["metadata"]["total_size"] -= sum(shard.get_tensor(k).nbytes for k in shard.keys() if k in dropped)
+                save_file({k: shard.get_tensor(k) for k in shard.keys() if k not in dropped}, str(tmp / f.name),
+                          metadata={"format": "pt"})
+        elif f.name not in ("config.json", "model.safetensors.index.json"):
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:
+                shutil.copy2(f, tmp / f.name)
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in dropped}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, out)
 
 
 def in_own_process(fn, *args):
@@ -269,6 +302,9 @@ def main(argv=None):
         model_dir = Path(args.dir) if len(checkpoints) == 1 else Path(args.dir) / name
         if not (model_dir / "config.json").is_file():
             make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8, overrides=overrides)
+        shared_dir = Path(args.dir) / f"{n}-layers-shared"
+        if args.indexshare and key == counts[1] and not (shared_dir / "config.json").is_file():
+            shared_cut(model_dir, shared_dir, checkpoints[-1][2])  # now: --discard removes the full cut after its runs
         config = configs[key] = load_config(model_dir)
         runs[key], loads[key], moe[key] = [], [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):

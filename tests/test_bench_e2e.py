@@ -162,7 +162,19 @@ def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, 
     """--indexshare: a third cut whose last layer is a shared layer gives the step of a MoE layer that reuses the
     selection below it; GLM-5.2's 57 shared MoE layers take that step, its 18 full ones the full layers' (GLM-5's
     75 are all full)."""
+    import json
+
     fake_checkpoints(tmp_path, monkeypatch, [2.0] * 6, shared_rest=0.1)
+    shared = tmp_path / "3-layers-shared"
+    (shared / "config.json").unlink()  # written from the full cut (shared_cut, faked here: its own test is below)
+    derived = []
+
+    def fake_shared_cut(full, out, overrides):
+        derived.append((full.name, out, overrides))
+        config = json.loads((full / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(config | overrides))
+
+    monkeypatch.setattr(bench_e2e, "shared_cut", fake_shared_cut)
     bench_e2e.main(["--dir", str(tmp_path), "--preset", "glm-5.2", "--layers", "2,3", "--indexshare", "--contexts",
                     "4096", "--filled", "--repeats", "2"])
     out = capsys.readouterr().out
@@ -170,6 +182,37 @@ def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, 
     assert "| 4096 | shared | 4 | 2.00 | 0.10 | 2.10 | 1.05x | 0.70 |" in out
     assert f"| glm-5.2 | 4096 | 2.80 | parts, IndexShare | {0.5 + 18 * 2.3 + 57 * 2.1:.0f} |" in out
     assert f"| glm-5 | 4096 | 2.80 | parts | {0.5 + 75 * 2.3:.0f} |" in out
+    assert derived == [("3-layers", shared, {"indexer_types": ["full", "full", "shared"]})]
     with pytest.raises(SystemExit):
         bench_e2e.main(["--dir", str(tmp_path), "--preset", "glm-5", "--layers", "2,3", "--indexshare"])
     assert "--indexshare: glm-5 has no IndexShare shared layers" in capsys.readouterr().err
+
+
+def test_the_shared_cut_is_written_from_the_full_one(tmp_path):
+    """shared_cut: the same checkpoint make_tiny writes for the shared cut (config, index, every tensor), from the full
+    cut's files: the shards without the shared layer's indexer hard-linked, its own rewritten."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from glm5_offload.tiny import make_tiny
+
+    preset = str(make_tiny(tmp_path / "tiny") / "config.json")
+    shared = {"indexer_types": ["full", "full", "shared"]}
+    full = make_tiny(tmp_path / "3-layers", preset=preset, layers=3, fp8=True,
+                     overrides={"indexer_types": ["full"] * 3})
+    want = make_tiny(tmp_path / "want", preset=preset, layers=3, fp8=True, overrides=shared)
+    bench_e2e.shared_cut(full, tmp_path / "3-layers-shared", shared)
+    got = tmp_path / "3-layers-shared"
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+    for name in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((got / name).read_text()) == json.loads((want / name).read_text())
+    index = json.loads((want / "model.safetensors.index.json").read_text())
+    assert any(".2.self_attn.indexer." in k for k in json.loads((full / "model.safetensors.index.json").read_text())
+               ["weight_map"]) and not any(".2.self_attn.indexer." in k for k in index["weight_map"])
+    linked = 0
+    for shard in sorted(set(index["weight_map"].values())):
+        a, b = load_file(got / shard), load_file(want / shard)
+        assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+        linked += (got / shard).stat().st_ino == (full / shard).stat().st_ino
+    assert linked == len(set(index["weight_map"].values())) - 1  # all but the last layer's
