@@ -91,8 +91,9 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 
 class Beside:
     """GPU work queued in `with beside:` goes to device's side stream, which first waits for what the current stream
-    has queued; work queued after the block runs beside it until join() makes the current stream wait for it. Off
-    a GPU, or with on=False, the block runs in order like any other code.
+    has queued; work queued after the block runs beside it until join() makes the current stream wait for it (or the
+    current stream waits for an event recorded on `side`). Off a GPU, or with on=False, the block runs in order like
+    any other code (`side` None).
 
     Safe for memory as used here: whatever the side stream allocates is freed into its own pool and given out again
     only to later work on it, which (every use waits for the current stream first) comes after every use of it.

@@ -18,7 +18,7 @@ from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys, fp8_row_width, quantize_latent
 from ..kernels import dsa_triton
 from ..model import KDA, CausalLM, KDAState, LatentLayout, PooledKeys
-from ..util import side_stream
+from ..util import Beside
 from .tiered_kv import TieredLatent
 
 
@@ -197,17 +197,14 @@ class KVCache:
             rows_store = self.latent[layer]
             if not isinstance(rows_store, TieredLatent) or not rows_store.fits_fetch(indices):
                 continue
-            if rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # a graph: in order
+            in_order = rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing()  # a graph's
+            with Beside(rows_store.device, on=not in_order) as beside:
                 rows_store.fetch(indices, positions)
-                self.prefetched[layer] = None
-                continue
-            side = side_stream(rows_store.device)
-            side.wait_stream(torch.cuda.current_stream(rows_store.device))
-            with torch.cuda.stream(side):
-                rows_store.fetch(indices, positions)
-                indices.record_stream(side)
-                positions.record_stream(side)
-                self.prefetched[layer] = side.record_event()
+            self.prefetched[layer] = None
+            if beside.side is not None:  # waited for by the layer's event (_wait_prefetch), not joined
+                indices.record_stream(beside.side)
+                positions.record_stream(beside.side)
+                self.prefetched[layer] = beside.side.record_event()
 
     def _wait_prefetch(self, layer: int):
         event = self.prefetched.get(layer)
