@@ -295,16 +295,18 @@ def main(argv=None):
             parser.error("--indexshare needs two layer counts (--layers a,b)")
         if "shared" not in load_config(args.preset).indexer_types:
             parser.error(f"--indexshare: {args.preset} has no IndexShare shared layers")
-        checkpoints.append(("shared", counts[1], {"indexer_types": ["full"] * (counts[1] - 1) + ["shared"]}))
+        shared = {"indexer_types": ["full"] * (counts[1] - 1) + ["shared"]}
+        checkpoints.append(("shared", counts[1], shared))
     runs, loads, moe, configs, fmt, peers = {}, {}, {}, {}, None, []
     for key, n, overrides in checkpoints:
         name = f"{n}-layers" + ("-shared" if overrides else "")
         model_dir = Path(args.dir) if len(checkpoints) == 1 else Path(args.dir) / name
         if not (model_dir / "config.json").is_file():
             make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8, overrides=overrides)
-        shared_dir = Path(args.dir) / f"{n}-layers-shared"
-        if args.indexshare and key == counts[1] and not (shared_dir / "config.json").is_file():
-            shared_cut(model_dir, shared_dir, checkpoints[-1][2])  # now: --discard removes the full cut after its runs
+        if args.indexshare and key == counts[1]:  # the shared cut from this one now: --discard removes it after its runs
+            shared_dir = model_dir.parent / f"{n}-layers-shared"
+            if not (shared_dir / "config.json").is_file():
+                shared_cut(model_dir, shared_dir, shared)
         config = configs[key] = load_config(model_dir)
         runs[key], loads[key], moe[key] = [], [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):
