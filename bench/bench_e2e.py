@@ -4,7 +4,9 @@
         [--discard] [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16]
         [--prefill-chunk 16384] [--peer all,offload] [--prefill-only | --filled] [--repeats 1] [--json FILE]
 
-Writes the checkpoint with make-tiny unless --dir holds one; at each context, a fresh engine and `glm5 bench`'s
+Writes the checkpoint with make-tiny unless --dir holds one (with several cuts, the largest; the others are cut from
+it: cut_from, and each cut's converted experts are linked into the next cuts' expert caches: link_experts); at each
+context, a fresh engine and `glm5 bench`'s
 measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
 (bench_context.fill, as if prefilled: a 1M context's decode without its 1M prefill), --repeats times (the median
 load's figures kept: median_trial), each load in a process of its own as a user's (in_own_process); with --peer,
@@ -14,8 +16,7 @@ targets' MoE layers plus the fixed rest, the layer's cost in parts (step_parts: 
 median over every load, whose speed varies from one to the next on the H200 machine's host; the rest from the
 checkpoints' difference) and, beside it, the difference of the median loads (marginal_layer) with each run's CPU
 experts timed alone in its own process (benchmark.experts_alone); with --indexshare, a third cut whose last layer is
-an IndexShare shared layer (it reuses the selection below it: no indexer; written from the full cut, shared_cut)
-measured against the smaller one gives the
+an IndexShare shared layer (it reuses the selection below it: no indexer) measured against the smaller one gives the
 step taken for the targets' shared MoE layers (GLM-5.2's 57 of 75; the cuts' layers are otherwise all "full"); with
 one layer count, the whole measured step per MoE layer (which also charges it the dense layer, embedding and head:
 conservative); next to the host-bandwidth bound (the active experts' bytes per token in the placement's format / read
@@ -27,6 +28,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -42,7 +44,8 @@ from safetensors.torch import save_file
 
 from glm5_offload.benchmark import (experts_alone, format_table, generate_split, prefill_projection, prefill_split,
                                     random_prompt, run_benchmark)
-from glm5_offload.config import load_config
+from glm5_offload.checkpoint import check_shard
+from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
@@ -50,10 +53,12 @@ from glm5_offload.loader import load_model
 from glm5_offload.ops.experts_numba import NumbaExperts, expert_store
 from glm5_offload.rules import RuleFile, load_rules
 from glm5_offload.runtime.engine import Engine
-from glm5_offload.tiny import make_tiny
+from glm5_offload.tiny import make_tiny, shaped_config
 from glm5_offload.util import cache_dir
 
 TARGETS = ("glm-5", "glm-5.2")
+INDEX = "model.safetensors.index.json"
+LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def expert_format(model) -> tuple[str, int] | None:
@@ -104,33 +109,80 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     return result, fmt
 
 
-def shared_cut(full: Path, out: Path, overrides: dict):
-    """--indexshare's cut written from the full cut of as many layers instead of generated again (a GLM-5.2 MoE layer
-    takes a minute or more of the device's time): make_tiny seeds each tensor by its name, so the two hold the same
-    tensors but the shared layers' indexers. The config is the full cut's with `overrides` (make_tiny's for the
-    shared cut, its indexer_types); the shards that hold a shared layer's indexer are rewritten without it, every
-    other file hard-linked (copied across file systems)."""
-    config = json.loads((full / "config.json").read_text()) | overrides
-    gone = tuple(f"model.layers.{i}.self_attn.indexer." for i, kind in enumerate(config["indexer_types"])
-                 if kind == "shared")
-    index = json.loads((full / "model.safetensors.index.json").read_text())
-    dropped = {name: file for name, file in index["weight_map"].items() if name.startswith(gone)}
+def load_json(path: Path):
+    return json.loads(path.read_text())
+
+
+def cut_from(base: Path, out: Path, config: dict, keep) -> None:
+    """A cut written from a larger one instead of generated again (a GLM-5.2 MoE layer takes a minute or more of the
+    device's time to generate): the tensors of base that keep(name) accepts, under config. make_tiny seeds each tensor
+    by its name, so a cut of fewer layers, or without a shared layer's indexer, holds what make_tiny would write for
+    it. A shard whose tensors are all kept is hard-linked (copied across file systems), one with some kept is
+    rewritten with them, one with none is left out; tokenizer files are linked."""
+    index = load_json(base / INDEX)
+    dropped = {name for name in index["weight_map"] if not keep(name)}
+    partly = {index["weight_map"][name] for name in dropped}
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    for f in full.iterdir():
-        if f.name in dropped.values():
+    for f in base.iterdir():
+        if f.name in partly:
+            _, header = check_shard(f)
+            index["metadata"]["total_size"] -= sum(v["data_offsets"][1] - v["data_offsets"][0]
+                                                   for k, v in header.items() if k in dropped)
             with safe_open(f, "pt") as shard:
-                index["metadata"]["total_size"] -= sum(shard.get_tensor(k).nbytes for k in shard.keys() if k in dropped)
-                save_file({k: shard.get_tensor(k) for k in shard.keys() if k not in dropped}, str(tmp / f.name),
-                          metadata={"format": "pt"})
-        elif f.name not in ("config.json", "model.safetensors.index.json"):
+                kept = {k: shard.get_tensor(k) for k in shard.keys() if k not in dropped}
+            if kept:
+                save_file(kept, str(tmp / f.name), metadata={"format": "pt"})
+        elif f.name not in ("config.json", INDEX):
             try:
                 os.link(f, tmp / f.name)
             except OSError:
                 shutil.copy2(f, tmp / f.name)
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in dropped}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / INDEX).write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, out)
+
+
+def cut_keeps(config: dict):
+    """keep(name) for cut_from: the tensors of config's layers (below its num_hidden_layers) but the indexers of its
+    IndexShare shared layers, and those outside the layers (embedding, final norm, head)."""
+    parsed = parse_config(config, "a cut's config")
+
+    def keep(name: str) -> bool:
+        layer = LAYER.search(name)
+        if layer is None:
+            return True
+        i = int(layer.group(1))
+        return i < parsed.num_hidden_layers and not (parsed.indexer_types[i] == "shared" and ".indexer." in name)
+
+    return keep
+
+
+def write_cuts(folder: Path, preset: str, fp8: bool, cuts: list[tuple[str, int, dict | None]]) -> None:
+    """The cuts (folder name, layers, make_tiny's overrides) not yet in folder: the largest (the first listed of
+    those) generated by make_tiny, the others cut from it (cut_from), each with the config make_tiny would write."""
+    base_name, base_layers, base_overrides = max(cuts, key=lambda c: c[1])
+    base = folder / base_name
+    if not (base / "config.json").is_file():
+        make_tiny(base, preset=preset, layers=base_layers, fp8=fp8, overrides=base_overrides)
+    quantization = load_json(base / "config.json").get("quantization_config")
+    for name, layers, overrides in cuts:
+        if not (folder / name / "config.json").is_file():
+            config = shaped_config(preset, layers, overrides)
+            if quantization:
+                config["quantization_config"] = quantization
+            cut_from(base, folder / name, config, cut_keeps(config))
+
+
+def link_experts(model_dir: Path, others: list[Path], fmt: tuple) -> None:
+    """model_dir's converted experts entered in the expert stores of the cuts still to be measured (the same
+    tensors: cut_from), so their loads read them instead of converting them again."""
+    done = expert_store(cache_dir() / "experts", model_dir, *fmt)
+    for other in others:
+        store, keep = expert_store(cache_dir() / "experts", other, *fmt), cut_keeps(load_json(other / "config.json"))
+        for name in done.manifest().get("files", {}):
+            if keep(name) and name not in store.manifest().get("files", {}):
+                store.link(name, done)
 
 
 def in_own_process(fn, *args):
@@ -297,16 +349,17 @@ def main(argv=None):
             parser.error(f"--indexshare: {args.preset} has no IndexShare shared layers")
         shared = {"indexer_types": ["full"] * (counts[1] - 1) + ["shared"]}
         checkpoints.append(("shared", counts[1], shared))
+    folder = Path(args.dir)
+    names = {key: f"{n}-layers" + ("-shared" if overrides else "") for key, n, overrides in checkpoints}
+    dirs = {key: folder if len(checkpoints) == 1 else folder / names[key] for key, _, _ in checkpoints}
+    if len(checkpoints) == 1:
+        if not (folder / "config.json").is_file():
+            make_tiny(folder, preset=args.preset, layers=counts[0], fp8=args.fp8)
+    else:
+        write_cuts(folder, args.preset, args.fp8, [(names[key], n, overrides) for key, n, overrides in checkpoints])
     runs, loads, moe, configs, fmt, peers = {}, {}, {}, {}, None, []
-    for key, n, overrides in checkpoints:
-        name = f"{n}-layers" + ("-shared" if overrides else "")
-        model_dir = Path(args.dir) if len(checkpoints) == 1 else Path(args.dir) / name
-        if not (model_dir / "config.json").is_file():
-            make_tiny(model_dir, preset=args.preset, layers=n, fp8=args.fp8, overrides=overrides)
-        if args.indexshare and key == counts[1]:  # the shared cut from this one now: --discard removes it after its runs
-            shared_dir = model_dir.parent / f"{n}-layers-shared"
-            if not (shared_dir / "config.json").is_file():
-                shared_cut(model_dir, shared_dir, shared)
+    for at, (key, n, overrides) in enumerate(checkpoints):
+        name, model_dir = names[key], dirs[key]
         config = configs[key] = load_config(model_dir)
         runs[key], loads[key], moe[key] = [], [], len(config.moe_layers)
         for context in map(int, args.contexts.split(",")):
@@ -332,6 +385,8 @@ def main(argv=None):
             peers.append(peer)
             print(f"transformers ({peer['mode']}), context {peer['context']}: decode {peer['decode_ms_per_layer']:.2f} "
                   f"ms/layer, ours {ours:.2f}: {peer['our_decode_speedup_per_layer']:.1f}x", flush=True)
+        if fmt and at + 1 < len(checkpoints):
+            link_experts(model_dir, [dirs[k] for k, _, _ in checkpoints[at + 1 :]], fmt)
         if args.discard:
             if fmt:
                 shutil.rmtree(expert_store(cache_dir() / "experts", model_dir, *fmt).folder, ignore_errors=True)

@@ -69,14 +69,31 @@ class DiskStore:
     def store(self, name: str, arrays: dict[str, np.ndarray], in_memory: bool = False) -> dict[str, np.ndarray]:
         """Write an entry (atomically) and return it memory-mapped (or read into memory)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        file = f"{name}.safetensors"
-        tmp = self.folder / f".{file}.tmp"
+        tmp = self.folder / f".{name}.safetensors.tmp"
         save_file(arrays, str(tmp))
-        os.replace(tmp, self.folder / file)
+        return (read_into_memory if in_memory else memory_map)(self._enter(name, tmp))
+
+    def link(self, name: str, other: "DiskStore") -> bool:
+        """Enter other's entry `name` here as a hard link to its file: for a checkpoint that holds the same tensors
+        (a cut of another, bench/bench_e2e.py), the arrays without converting them again. False if other lacks it."""
+        entry = other.manifest().get("files", {}).get(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            return False
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{name}.safetensors.tmp"
+        tmp.unlink(missing_ok=True)
+        os.link(other.folder / entry["file"], tmp)
+        self._enter(name, tmp)
+        return True
+
+    def _enter(self, name: str, tmp: Path) -> Path:
+        """Rename tmp to entry `name`'s file and record it in the manifest; the file's path."""
+        path = self.folder / f"{name}.safetensors"
+        os.replace(tmp, path)
         manifest = self.manifest() or {"source": str(self.source.resolve()), "fingerprint": fingerprint(self.source),
                                        "version": self.version, "key": self.key, "files": {}}
-        manifest["files"][name] = {"file": file, **_stamp(self.folder / file)}
+        manifest["files"][name] = {"file": path.name, **_stamp(path)}
         tmp = self.folder / ".manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, self.folder / "manifest.json")
-        return (read_into_memory if in_memory else memory_map)(self.folder / file)
+        return path

@@ -166,15 +166,15 @@ def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, 
 
     fake_checkpoints(tmp_path, monkeypatch, [2.0] * 6, shared_rest=0.1)
     shared = tmp_path / "3-layers-shared"
-    (shared / "config.json").unlink()  # written from the full cut (shared_cut, faked here: its own test is below)
+    (shared / "config.json").unlink()  # written from the full cut (cut_from, faked here: its own test is below)
     derived = []
 
-    def fake_shared_cut(full, out, overrides):
-        derived.append((full.name, out, overrides))
-        config = json.loads((full / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps(config | overrides))
+    def fake_cut_from(base, out, config, keep):
+        derived.append((base.name, out, config["indexer_types"]))
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config))
 
-    monkeypatch.setattr(bench_e2e, "shared_cut", fake_shared_cut)
+    monkeypatch.setattr(bench_e2e, "cut_from", fake_cut_from)
     bench_e2e.main(["--dir", str(tmp_path), "--preset", "glm-5.2", "--layers", "2,3", "--indexshare", "--contexts",
                     "4096", "--filled", "--repeats", "2"])
     out = capsys.readouterr().out
@@ -182,37 +182,56 @@ def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, 
     assert "| 4096 | shared | 4 | 2.00 | 0.10 | 2.10 | 1.05x | 0.70 |" in out
     assert f"| glm-5.2 | 4096 | 2.80 | parts, IndexShare | {0.5 + 18 * 2.3 + 57 * 2.1:.0f} |" in out
     assert f"| glm-5 | 4096 | 2.80 | parts | {0.5 + 75 * 2.3:.0f} |" in out
-    assert derived == [("3-layers", shared, {"indexer_types": ["full", "full", "shared"]})]
+    assert derived == [("3-layers", shared, ["full", "full", "shared"])]
     with pytest.raises(SystemExit):
         bench_e2e.main(["--dir", str(tmp_path), "--preset", "glm-5", "--layers", "2,3", "--indexshare"])
     assert "--indexshare: glm-5 has no IndexShare shared layers" in capsys.readouterr().err
 
 
-def test_the_shared_cut_is_written_from_the_full_one(tmp_path):
-    """shared_cut: the same checkpoint make_tiny writes for the shared cut (config, index, every tensor), from the full
-    cut's files: the shards without the shared layer's indexer hard-linked, its own rewritten."""
-    import json
-
+def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_path, monkeypatch):
+    """write_cuts: make_tiny writes the largest cut, the others are cut from it (cut_from) holding what make_tiny
+    writes for them (config, every tensor and the index's sizes; shards fully kept hard-linked); link_experts enters
+    the experts converted for one cut in the others' caches: their loads convert nothing and give the logits of
+    make_tiny's own cut converted afresh."""
     from safetensors.torch import load_file
 
+    from glm5_offload.ops import experts_numba
+    from glm5_offload.runtime.kv_cache import new_cache
     from glm5_offload.tiny import make_tiny
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     preset = str(make_tiny(tmp_path / "tiny") / "config.json")
-    shared = {"indexer_types": ["full", "full", "shared"]}
-    full = make_tiny(tmp_path / "3-layers", preset=preset, layers=3, fp8=True,
-                     overrides={"indexer_types": ["full"] * 3})
-    want = make_tiny(tmp_path / "want", preset=preset, layers=3, fp8=True, overrides=shared)
-    bench_e2e.shared_cut(full, tmp_path / "3-layers-shared", shared)
-    got = tmp_path / "3-layers-shared"
-    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
-    for name in ("config.json", "model.safetensors.index.json"):
-        assert json.loads((got / name).read_text()) == json.loads((want / name).read_text())
-    index = json.loads((want / "model.safetensors.index.json").read_text())
-    assert any(".2.self_attn.indexer." in k for k in json.loads((full / "model.safetensors.index.json").read_text())
-               ["weight_map"]) and not any(".2.self_attn.indexer." in k for k in index["weight_map"])
-    linked = 0
-    for shard in sorted(set(index["weight_map"].values())):
-        a, b = load_file(got / shard), load_file(want / shard)
-        assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
-        linked += (got / shard).stat().st_ino == (full / shard).stat().st_ino
-    assert linked == len(set(index["weight_map"].values())) - 1  # all but the last layer's
+    cuts = [("2-layers", 2, {"indexer_types": ["full"] * 2}), ("3-layers", 3, {"indexer_types": ["full"] * 3}),
+            ("3-layers-shared", 3, {"indexer_types": ["full", "full", "shared"]})]
+    bench_e2e.write_cuts(tmp_path, preset, True, cuts)
+    base = tmp_path / "3-layers"
+    wanted = {}
+    for name, layers, overrides in cuts[::2]:
+        got = tmp_path / name
+        want = wanted[name] = make_tiny(tmp_path / f"want-{name}", preset=preset, layers=layers, fp8=True,
+                                        overrides=overrides)
+        assert bench_e2e.load_json(got / "config.json") == bench_e2e.load_json(want / "config.json")
+        index, want_index = (bench_e2e.load_json(d / bench_e2e.INDEX) for d in (got, want))
+        assert index["metadata"] == want_index["metadata"]
+        assert index["weight_map"].keys() == want_index["weight_map"].keys()
+        tensors, want_tensors = ({k: v for f in set(i["weight_map"].values()) for k, v in load_file(d / f).items()}
+                                 for d, i in ((got, index), (want, want_index)))
+        assert all(torch.equal(tensors[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want_tensors.items())
+        shards = set(index["weight_map"].values())
+        assert sum((got / f).stat().st_ino == (base / f).stat().st_ino for f in shards) == len(shards) - 1
+    names = [bench_e2e.load_json(tmp_path / cut / bench_e2e.INDEX)["weight_map"] for cut in ("3-layers", "3-layers-shared")]
+    assert [any(".2.self_attn.indexer." in k for k in n) for n in names] == [True, False]
+    text = Path(load_rules("glm5-cpu").path).read_text()
+    (tmp_path / "numba.yaml").write_text(text.replace(
+        "op: experts.reference", "op: experts.numba\n    kwargs: {format: int4, group_size: 32, threads: 2}"))
+    rules = load_rules(tmp_path / "numba.yaml")
+    load_model(base, rules=rules, dtype=torch.float32)  # converts the base's experts
+    bench_e2e.link_experts(base, [tmp_path / name for name, _, _ in cuts[::2]], ("int4", 32))
+    ids = torch.arange(12, 40)
+    fresh = {name: load_model(want, rules=rules, dtype=torch.float32) for name, want in wanted.items()}
+    monkeypatch.setattr(experts_numba, "convert_layer", lambda *a: pytest.fail("converted again"))
+    for name, want in fresh.items():
+        linked = load_model(tmp_path / name, rules=rules, dtype=torch.float32)
+        assert isinstance(linked.model.layers[1].mlp.experts, experts_numba.NumbaExperts)
+        assert torch.equal(linked(ids, new_cache(linked, 64)), want(ids, new_cache(want, 64)))
+
