@@ -109,15 +109,16 @@ def sweep(hbm: float, formats=("fp8", "int4"), prefill_tile: bool = True) -> lis
     shipped = dict(linear_triton.DECODE_TILE), dict(linear_triton.INT4_GEMV_TILE)
     made = {name: (n, k, copies(n, k)) for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
     grids = {"fp8": (linear_triton.DECODE_TILE,
-                     [(b, w, s, 1) for b in (32, 64, 128) for w in (4, 8) for s in (2, 4, 8)]),
-             "int4": (linear_triton.INT4_GEMV_TILE,
-                      [(b, w, s, o) for b in (64, 128) for w in (4, 8) for s in (1, 2) for o in (1, 2)])}
+                     [(b, w, s, 1, {}) for b in (32, 64, 128) for w in (4, 8) for s in (2, 4, 8)]),
+             "int4": (linear_triton.INT4_GEMV_TILE,  # ahead: the next group's words read while one is computed
+                      [(b, w, s, o, {"ahead": a}) for b in (64, 128) for w in (2, 4, 8) for s in (1, 2)
+                       for o in (1, 2) for a in (False, True) if s == 1 or not a])}
     for fmt in formats:
         tile, grid = grids[fmt]
-        for block_n, warps, step, oversplit in grid:
-            tile.update(block_n=block_n, num_warps=warps, num_stages=2, step=step, oversplit=oversplit)
+        for block_n, warps, step, oversplit, more in grid:
+            tile.update(block_n=block_n, num_warps=warps, num_stages=2, step=step, oversplit=oversplit, **more)
             row = {"format": fmt, "block_n": block_n, "num_warps": warps, "num_stages": 2, "step": step,
-                   "oversplit": oversplit}
+                   "oversplit": oversplit, **more}
             for name, (n, k, sets) in made.items():
                 x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
                 try:
@@ -156,7 +157,8 @@ def best_tiles(rows: list[dict]) -> dict[str, dict]:
     for fmt in sorted({r["format"] for r in rows if "format" in r}):
         ok = [r for r in rows if r.get("format") == fmt and r["o_proj"] == r["o_proj"]]
         top = max(ok, key=lambda r: r["o_proj"] + r["q_b_proj"])
-        best[fmt] = {k: top[k] for k in ("block_n", "num_warps", "num_stages", "step", "oversplit")}
+        keys = ("block_n", "num_warps", "num_stages", "step", "oversplit", "ahead")
+        best[fmt] = {k: top[k] for k in keys if k in top}
     return best
 
 

@@ -38,7 +38,8 @@ BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
 DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
 INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, int4 for 2-32 rows
-INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1}  # int4, one row
+INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1,
+                  "ahead": False}  # int4, one row
 MAGIC_BITS = (0x41800000, 0x3F800000)  # 16.0 and 1.0 as fp32 bits (_int4_gemv_kernel's magic_16, magic_1)
 MAX_TILES = 4096  # decode tiles that can be split (more tiles than programs wanted are never split)
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -165,14 +166,13 @@ def _nibbles(t, word, magic_16, magic_1, x_16, x_1, EXACT: tl.constexpr):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, groups_per_split, magic_16,
                       magic_1, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr,
-                      STEP: tl.constexpr, EXACT: tl.constexpr):
+                      STEP: tl.constexpr, EXACT: tl.constexpr, AHEAD: tl.constexpr):
     # One row of x [1, K] times int4 W: w as int32 words [N, K/8] (word j of a group = bytes 4j..4j+3 of
     # _int4_kernel's layout: inputs 4j + c in the low nibbles, G/2 + 4j + c in the high ones), ws [N, K/G] fp32; out,
-    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions: a word's 8 nibbles
-    # come to bits 12-19 by 3 shifts (none, << 8, >> 8, a rotation by 16) and each becomes a float in one LOP3
-    # (_nibbles), then one FMA. A word's sum t starts at minus the offsets' products (row-independent, once per
-    # group), so t = sum (v - 8)/128 x; its rounding is relative to the offsets' terms (16 per hi nibble), about
-    # 2^-13 of the result: far below bf16's rounding of the output, too coarse for fp32 x, which takes EXACT.
+    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group) and
+    # enough reads are in flight: AHEAD (STEP 1) loads the next group's words and scales before this group is
+    # computed, so the HBM reads overlap the arithmetic (registers double-buffered; without it a program waits on
+    # each group's words, then computes with none in flight).
     W: tl.constexpr = G // 8
     pid_n, split = tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -181,35 +181,58 @@ def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, 
     n_groups = K // G
     g0 = split * groups_per_split
     g1 = tl.minimum(g0 + groups_per_split, n_groups)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 8)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 8) + j[None, :]
     acc = tl.zeros((BLOCK_N, W), tl.float32)
-    for g_first in range(g0, g1, STEP):
-        for i in tl.static_range(STEP):
-            g = g_first + i
-            g_ok = g < g1
-            w = tl.load(w_rows + g * W + j[None, :], mask=n_ok[:, None] & g_ok, other=0).to(tl.uint32, bitcast=True)
-            # one scale a row, as a [BLOCK_N] vector (loaded as [BLOCK_N, W] broadcast along the words, it set the
-            # layout of the words' load too: a row a thread, uncoalesced, 18% of the H200's bandwidth instead of 53%)
-            scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
-            x = x_ptr + g * G + 4 * j
-            lo0 = tl.load(x, mask=g_ok, other=0).to(tl.float32)
-            lo1 = tl.load(x + 1, mask=g_ok, other=0).to(tl.float32)
-            lo2 = tl.load(x + 2, mask=g_ok, other=0).to(tl.float32)
-            lo3 = tl.load(x + 3, mask=g_ok, other=0).to(tl.float32)
-            hi0 = tl.load(x + G // 2, mask=g_ok, other=0).to(tl.float32)
-            hi1 = tl.load(x + G // 2 + 1, mask=g_ok, other=0).to(tl.float32)
-            hi2 = tl.load(x + G // 2 + 2, mask=g_ok, other=0).to(tl.float32)
-            hi3 = tl.load(x + G // 2 + 3, mask=g_ok, other=0).to(tl.float32)
-            t = tl.zeros((BLOCK_N, W), tl.float32)
-            if not EXACT:
-                t -= (16.0625 * (hi0 + hi1 + hi2 + hi3) + 1.0625 * (lo0 + lo1 + lo2 + lo3))[None, :]
-            t = _nibbles(t, w, magic_16, magic_1, hi1, lo2, EXACT)  # nibbles 3, 4
-            t = _nibbles(t, w << 8, magic_16, magic_1, hi0, lo1, EXACT)  # 1, 2
-            t = _nibbles(t, w >> 8, magic_16, magic_1, hi2, lo3, EXACT)  # 5, 6
-            t = _nibbles(t, (w << 16) | (w >> 16), magic_16, magic_1, hi3, lo0, EXACT)  # 7, 0
-            acc += t * scale[:, None]
+    if AHEAD:
+        tl.static_assert(STEP == 1, "AHEAD loads one group ahead")
+        w_next = tl.load(w_rows + g0 * W, mask=n_ok[:, None] & (g0 < g1), other=0)
+        scale_next = tl.load(ws_ptr + n * n_groups + g0, mask=n_ok & (g0 < g1), other=0.0)
+        for g in range(g0, g1):
+            w, scale = w_next.to(tl.uint32, bitcast=True), scale_next
+            w_next = tl.load(w_rows + (g + 1) * W, mask=n_ok[:, None] & (g + 1 < g1), other=0)
+            scale_next = tl.load(ws_ptr + n * n_groups + g + 1, mask=n_ok & (g + 1 < g1), other=0.0)
+            acc = _int4_group(acc, w, scale, x_ptr, g, g < g1, magic_16, magic_1, G, EXACT)
+    else:
+        for g_first in range(g0, g1, STEP):
+            for i in tl.static_range(STEP):
+                g = g_first + i
+                g_ok = g < g1
+                w = tl.load(w_rows + g * W, mask=n_ok[:, None] & g_ok, other=0).to(tl.uint32, bitcast=True)
+                # one scale a row, as a [BLOCK_N] vector (loaded as [BLOCK_N, W] broadcast along the words, it set
+                # the layout of the words' load too: a row a thread, uncoalesced, 18% of the H200's bandwidth
+                # instead of 53%)
+                scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
+                acc = _int4_group(acc, w, scale, x_ptr, g, g_ok, magic_16, magic_1, G, EXACT)
     y = tl.sum(acc, axis=1) * 128.0
     _write_tile(y[None, :], out_ptr, part_ptr, count_ptr, tl.arange(0, BLOCK_M), n, M, N)
+
+
+@triton.jit
+def _int4_group(acc, w, scale, x_ptr, g, g_ok, magic_16, magic_1, G: tl.constexpr, EXACT: tl.constexpr):
+    # acc [BLOCK_N, W] plus group g's products: w [BLOCK_N, W] its words (uint32), scale [BLOCK_N]. About 3.5
+    # instructions a weight: a word's 8 nibbles come to bits 12-19 by 3 shifts (none, << 8, >> 8, a rotation by 16)
+    # and each becomes a float in one LOP3 (_nibbles), then one FMA. A word's sum t starts at minus the offsets'
+    # products (row-independent, once per group), so t = sum (v - 8)/128 x; its rounding is relative to the offsets'
+    # terms (16 per hi nibble), about 2^-13 of the result: far below bf16's rounding of the output, too coarse for
+    # fp32 x, which takes EXACT.
+    W: tl.constexpr = G // 8
+    x = x_ptr + g * G + 4 * tl.arange(0, W)
+    lo0 = tl.load(x, mask=g_ok, other=0).to(tl.float32)
+    lo1 = tl.load(x + 1, mask=g_ok, other=0).to(tl.float32)
+    lo2 = tl.load(x + 2, mask=g_ok, other=0).to(tl.float32)
+    lo3 = tl.load(x + 3, mask=g_ok, other=0).to(tl.float32)
+    hi0 = tl.load(x + G // 2, mask=g_ok, other=0).to(tl.float32)
+    hi1 = tl.load(x + G // 2 + 1, mask=g_ok, other=0).to(tl.float32)
+    hi2 = tl.load(x + G // 2 + 2, mask=g_ok, other=0).to(tl.float32)
+    hi3 = tl.load(x + G // 2 + 3, mask=g_ok, other=0).to(tl.float32)
+    t = tl.zeros(w.shape, tl.float32)
+    if not EXACT:
+        t -= (16.0625 * (hi0 + hi1 + hi2 + hi3) + 1.0625 * (lo0 + lo1 + lo2 + lo3))[None, :]
+    t = _nibbles(t, w, magic_16, magic_1, hi1, lo2, EXACT)  # nibbles 3, 4
+    t = _nibbles(t, w << 8, magic_16, magic_1, hi0, lo1, EXACT)  # 1, 2
+    t = _nibbles(t, w >> 8, magic_16, magic_1, hi2, lo3, EXACT)  # 5, 6
+    t = _nibbles(t, (w << 16) | (w >> 16), magic_16, magic_1, hi3, lo0, EXACT)  # 7, 0
+    return acc + t * scale[:, None]
 
 
 @triton.jit
@@ -339,7 +362,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     if M == 1:
         return _launch(_int4_gemv_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed.view(torch.int32),
                        scales), INT4_GEMV_TILE, vector=True, magic_16=MAGIC_BITS[0], magic_1=MAGIC_BITS[1], G=group,
-                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32)
+                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32, AHEAD=INT4_GEMV_TILE["ahead"])
     decode = M <= DECODE_ROWS
     return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), INT4_DECODE_TILE,
                    G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1)

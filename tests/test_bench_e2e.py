@@ -219,7 +219,8 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         assert all(torch.equal(tensors[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want_tensors.items())
         shards = set(index["weight_map"].values())
         assert sum((got / f).stat().st_ino == (base / f).stat().st_ino for f in shards) == len(shards) - 1
-    names = [bench_e2e.load_json(tmp_path / cut / bench_e2e.INDEX)["weight_map"] for cut in ("3-layers", "3-layers-shared")]
+    names = [bench_e2e.load_json(tmp_path / cut / bench_e2e.INDEX)["weight_map"]
+             for cut in ("3-layers", "3-layers-shared")]
     assert [any(".2.self_attn.indexer." in k for k in n) for n in names] == [True, False]
     text = Path(load_rules("glm5-cpu").path).read_text()
     (tmp_path / "numba.yaml").write_text(text.replace(

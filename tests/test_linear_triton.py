@@ -59,18 +59,23 @@ def test_fp8_dot_quantises_the_activations_per_128_inputs():
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M", [1, 7, 40])
-def test_int4_linear_equals_the_reference(M, group):
+def test_int4_linear_equals_the_reference(monkeypatch, M, group):
+    """(One row: also with each group's words loaded while the one before is computed, the `ahead` tile.)"""
     values, scales = int_groups.quantize(random((130, 256), group), "int4", group)
     x = random((M, 256), M)
     w, s = torch.from_numpy(values), torch.from_numpy(scales)
-    for dtype in (torch.float32, torch.bfloat16):
-        y = linear_triton.int4_linear(x.to(dtype).to(DEVICE), w.to(DEVICE), s.to(DEVICE), group)
-        check(y, linear_triton.linear_reference(x.to(dtype), "int4", w, s, group), dtype)
+    for ahead in (False, True) if M == 1 else (False,):
+        if ahead:
+            monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "step", 1)
+            monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "ahead", True)
+        for dtype in (torch.float32, torch.bfloat16):
+            y = linear_triton.int4_linear(x.to(dtype).to(DEVICE), w.to(DEVICE), s.to(DEVICE), group)
+            check(y, linear_triton.linear_reference(x.to(dtype), "int4", w, s, group), dtype)
     with pytest.raises(ValueError, match="group size 128 does not divide the 96 inputs"):
         linear_triton.int4_linear(x[:, :96], w[:, :48], s, 128)
 
 
-@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}])
+@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}, {"ahead": True}])
 def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     """Decode splits the inputs over programs (forced here: the interpreter runs one); the tile's last program adds
     the partial sums up to the reference, and two calls give the same bits. Every decode tile: several 128-blocks
@@ -79,6 +84,9 @@ def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     monkeypatch.setitem(linear_triton.DECODE_TILE, "step", tile.get("step", 1))
     monkeypatch.setitem(linear_triton.DECODE_TILE, "vector", tile.get("vector", False))
     monkeypatch.setitem(linear_triton.INT4_DECODE_TILE, "step", tile.get("step", 1))
+    if tile.get("ahead"):
+        monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "step", 1)
+        monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "ahead", True)
     for rows in (1, 3):
         w8, scales = fp8_blocks.quantize(random((64, 1000), rows))
         x = random((rows, 1000), 4)
