@@ -36,10 +36,10 @@ from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
-DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True}
+DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True, "loop_stages": None}
 INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, int4 for 2-32 rows
-INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1,
-                  "ahead": False}  # int4, one row
+INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1, "ahead": False,
+                  "loop_stages": None}  # int4, one row
 MAGIC_BITS = (0x41800000, 0x3F800000)  # 16.0 and 1.0 as fp32 bits (_int4_gemv_kernel's magic_16, magic_1)
 MAX_TILES = 4096  # decode tiles that can be split (more tiles than programs wanted are never split)
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -48,12 +48,14 @@ PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
 @triton.jit
 def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, blocks_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_FP8: tl.constexpr, FP8_HW: tl.constexpr,
-                CAST: tl.constexpr, STEP: tl.constexpr, VECTOR: tl.constexpr):
+                CAST: tl.constexpr, STEP: tl.constexpr, VECTOR: tl.constexpr, LOOP_STAGES: tl.constexpr):
     # x [M, K] (bf16/fp32; ACT_FP8: e4m3 bytes with scales xs [KB, M] fp32, quantize_activations'), w [N, K] e4m3
     # bytes, ws [NB, KB] fp32 (KB = cdiv(K, 128)); out [M, N]; part [splits, M, N] fp32 and count [tiles] int32
     # (zero) when split (_write_tile). BLOCK_N divides 128.
     # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
-    # STEP 128-blocks of inputs per iteration; VECTOR (M = 1): products summed without a dot.
+    # STEP 128-blocks of inputs per iteration; VECTOR (M = 1): products summed without a dot. LOOP_STAGES (None:
+    # Triton's default, which pipelines only the loads that feed a dot): the loop's loads issued that many
+    # iterations ahead (cp.async into shared memory), so a one-row GEMV keeps HBM reads in flight while it computes.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,7 +69,7 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_vector = tl.zeros((BLOCK_N, 128), tl.float32)
-    for kb_first in range(kb0, kb1, STEP):
+    for kb_first in tl.range(kb0, kb1, STEP, num_stages=LOOP_STAGES):
         for j in tl.static_range(STEP):
             kb = kb_first + j
             k = kb * 128 + kk
@@ -166,13 +168,13 @@ def _nibbles(t, word, magic_16, magic_1, x_16, x_1, EXACT: tl.constexpr):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, groups_per_split, magic_16,
                       magic_1, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr,
-                      STEP: tl.constexpr, EXACT: tl.constexpr, AHEAD: tl.constexpr):
+                      STEP: tl.constexpr, EXACT: tl.constexpr, AHEAD: tl.constexpr, LOOP_STAGES: tl.constexpr):
     # One row of x [1, K] times int4 W: w as int32 words [N, K/8] (word j of a group = bytes 4j..4j+3 of
     # _int4_kernel's layout: inputs 4j + c in the low nibbles, G/2 + 4j + c in the high ones), ws [N, K/G] fp32; out,
     # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group) and
     # enough reads are in flight: AHEAD (STEP 1) loads the next group's words and scales before this group is
     # computed, so the HBM reads overlap the arithmetic (registers double-buffered; without it a program waits on
-    # each group's words, then computes with none in flight).
+    # each group's words, then computes with none in flight); LOOP_STAGES does it Triton's way (_fp8_kernel's).
     W: tl.constexpr = G // 8
     pid_n, split = tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,7 +195,7 @@ def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, 
             scale_next = tl.load(ws_ptr + n * n_groups + g + 1, mask=n_ok & (g + 1 < g1), other=0.0)
             acc = _int4_group(acc, w, scale, x_ptr, g, g < g1, magic_16, magic_1, G, EXACT)
     else:
-        for g_first in range(g0, g1, STEP):
+        for g_first in tl.range(g0, g1, STEP, num_stages=LOOP_STAGES):
             for i in tl.static_range(STEP):
                 g = g_first + i
                 g_ok = g < g1
@@ -350,7 +352,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
     vector = M == 1 and DECODE_TILE["vector"] and not fp8_dot
     return _launch(_fp8_kernel, x, triton.cdiv(K, BLOCK), N, (x_in, x_scales, weight.view(torch.uint8), scales),
                    vector=vector, ACT_FP8=fp8_dot, FP8_HW=has_fp8_dot(x.device),
-                   STEP=DECODE_TILE["step"] if M <= DECODE_ROWS else 1, VECTOR=vector)
+                   STEP=DECODE_TILE["step"] if M <= DECODE_ROWS else 1, VECTOR=vector,
+                   LOOP_STAGES=DECODE_TILE["loop_stages"] if vector else None)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
@@ -362,7 +365,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     if M == 1:
         return _launch(_int4_gemv_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed.view(torch.int32),
                        scales), INT4_GEMV_TILE, vector=True, magic_16=MAGIC_BITS[0], magic_1=MAGIC_BITS[1], G=group,
-                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32, AHEAD=INT4_GEMV_TILE["ahead"])
+                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32, AHEAD=INT4_GEMV_TILE["ahead"],
+                       LOOP_STAGES=INT4_GEMV_TILE["loop_stages"])
     decode = M <= DECODE_ROWS
     return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), INT4_DECODE_TILE,
                    G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1)

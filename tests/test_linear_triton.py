@@ -36,12 +36,15 @@ def check(y, want, dtype):
 
 @pytest.mark.parametrize("M", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_linear_equals_the_reference(M, dtype):
-    """Partial 128-blocks at both edges (200 x 300); decode (M <= 32) and prefill tiles."""
+def test_fp8_linear_equals_the_reference(monkeypatch, M, dtype):
+    """Partial 128-blocks at both edges (200 x 300); decode (M <= 32) and prefill tiles; one row also with its
+    loop's loads issued ahead (loop_stages)."""
     w8, scales = fp8_blocks.quantize(random((200, 300), M) * 0.05)
     x = random((M, 300), M + 1).to(dtype)
-    y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE), fp8_dot=False)
-    check(y, linear_triton.linear_reference(x, "fp8", w8, scales), dtype)
+    for loop_stages in (None, 3) if M == 1 else (None,):
+        monkeypatch.setitem(linear_triton.DECODE_TILE, "loop_stages", loop_stages)
+        y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE), fp8_dot=False)
+        check(y, linear_triton.linear_reference(x, "fp8", w8, scales), dtype)
 
 
 def test_fp8_dot_quantises_the_activations_per_128_inputs():
@@ -60,14 +63,14 @@ def test_fp8_dot_quantises_the_activations_per_128_inputs():
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M", [1, 7, 40])
 def test_int4_linear_equals_the_reference(monkeypatch, M, group):
-    """(One row: also with each group's words loaded while the one before is computed, the `ahead` tile.)"""
+    """(One row: also with each group's words loaded while the one before is computed, the `ahead` tile, and with
+    the loop's loads issued ahead by Triton, loop_stages.)"""
     values, scales = int_groups.quantize(random((130, 256), group), "int4", group)
     x = random((M, 256), M)
     w, s = torch.from_numpy(values), torch.from_numpy(scales)
-    for ahead in (False, True) if M == 1 else (False,):
-        if ahead:
-            monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "step", 1)
-            monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "ahead", True)
+    for tile in ({}, {"step": 1, "ahead": True}, {"ahead": False, "loop_stages": 3}) if M == 1 else ({},):
+        for key, value in tile.items():
+            monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, key, value)
         for dtype in (torch.float32, torch.bfloat16):
             y = linear_triton.int4_linear(x.to(dtype).to(DEVICE), w.to(DEVICE), s.to(DEVICE), group)
             check(y, linear_triton.linear_reference(x.to(dtype), "int4", w, s, group), dtype)
@@ -75,7 +78,8 @@ def test_int4_linear_equals_the_reference(monkeypatch, M, group):
         linear_triton.int4_linear(x[:, :96], w[:, :48], s, 128)
 
 
-@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}, {"ahead": True}])
+@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}, {"ahead": True},
+                                  {"vector": True, "loop_stages": 3}])
 def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     """Decode splits the inputs over programs (forced here: the interpreter runs one); the tile's last program adds
     the partial sums up to the reference, and two calls give the same bits. Every decode tile: several 128-blocks
@@ -87,6 +91,8 @@ def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     if tile.get("ahead"):
         monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "step", 1)
         monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "ahead", True)
+    for tile_dict in (linear_triton.DECODE_TILE, linear_triton.INT4_GEMV_TILE):
+        monkeypatch.setitem(tile_dict, "loop_stages", tile.get("loop_stages"))
     for rows in (1, 3):
         w8, scales = fp8_blocks.quantize(random((64, 1000), rows))
         x = random((rows, 1000), 4)
