@@ -73,18 +73,16 @@ class DiskStore:
         save_file(arrays, str(tmp))
         return (read_into_memory if in_memory else memory_map)(self._enter(name, tmp))
 
-    def link(self, name: str, other: "DiskStore") -> bool:
-        """Enter other's entry `name` here as a hard link to its file: for a checkpoint that holds the same tensors
-        (a cut of another, bench/bench_e2e.py), the arrays without converting them again. False if other lacks it."""
+    def link(self, name: str, other: "DiskStore") -> None:
+        """Enter other's entry `name` here as a hard link to its file (if other has it): for a checkpoint that holds
+        the same tensors (a cut of another, bench/bench_e2e.py), the arrays without converting them again."""
         entry = other.manifest().get("files", {}).get(name)
-        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
-            return False
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{name}.safetensors.tmp"
-        tmp.unlink(missing_ok=True)
-        os.link(other.folder / entry["file"], tmp)
-        self._enter(name, tmp)
-        return True
+        if isinstance(entry, dict) and isinstance(entry.get("file"), str):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / f".{name}.safetensors.tmp"
+            tmp.unlink(missing_ok=True)
+            os.link(other.folder / entry["file"], tmp)
+            self._enter(name, tmp)
 
     def _enter(self, name: str, tmp: Path) -> Path:
         """Rename tmp to entry `name`'s file and record it in the manifest; the file's path."""
