@@ -28,7 +28,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -44,7 +43,7 @@ from safetensors.torch import save_file
 
 from glm5_offload.benchmark import (experts_alone, format_table, generate_split, prefill_projection, prefill_split,
                                     random_prompt, run_benchmark)
-from glm5_offload.checkpoint import check_shard
+from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
@@ -53,12 +52,10 @@ from glm5_offload.loader import load_model
 from glm5_offload.ops.experts_numba import NumbaExperts, expert_store
 from glm5_offload.rules import RuleFile, load_rules
 from glm5_offload.runtime.engine import Engine
-from glm5_offload.tiny import make_tiny, shaped_config
+from glm5_offload.tiny import layer_of, make_tiny, shaped_config
 from glm5_offload.util import cache_dir
 
 TARGETS = ("glm-5", "glm-5.2")
-INDEX = "model.safetensors.index.json"
-LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def expert_format(model) -> tuple[str, int] | None:
@@ -119,7 +116,7 @@ def cut_from(base: Path, out: Path, config: dict, keep) -> None:
     by its name, so a cut of fewer layers, or without a shared layer's indexer, holds what make_tiny would write for
     it. A shard whose tensors are all kept is hard-linked (copied across file systems), one with some kept is
     rewritten with them, one with none is left out; tokenizer files are linked."""
-    index = load_json(base / INDEX)
+    index = load_json(base / INDEX_FILE)
     dropped = {name for name in index["weight_map"] if not keep(name)}
     partly = {index["weight_map"][name] for name in dropped}
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
@@ -132,13 +129,13 @@ def cut_from(base: Path, out: Path, config: dict, keep) -> None:
                 kept = {k: shard.get_tensor(k) for k in shard.keys() if k not in dropped}
             if kept:
                 save_file(kept, str(tmp / f.name), metadata={"format": "pt"})
-        elif f.name not in ("config.json", INDEX):
+        elif f.name not in ("config.json", INDEX_FILE):
             try:
                 os.link(f, tmp / f.name)
             except OSError:
                 shutil.copy2(f, tmp / f.name)
     index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in dropped}
-    (tmp / INDEX).write_text(json.dumps(index, indent=2))
+    (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp, out)
 
@@ -149,10 +146,9 @@ def cut_keeps(config: dict):
     parsed = parse_config(config, "a cut's config")
 
     def keep(name: str) -> bool:
-        layer = LAYER.search(name)
-        if layer is None:
+        i = layer_of(name)
+        if i is None:
             return True
-        i = int(layer.group(1))
         return i < parsed.num_hidden_layers and not (parsed.indexer_types[i] == "shared" and ".indexer." in name)
 
     return keep

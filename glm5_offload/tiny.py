@@ -186,13 +186,18 @@ def stored(name: str, w: torch.Tensor, fp8: bool) -> dict[str, torch.Tensor]:
     return {name: w.to(torch.bfloat16)}
 
 
+def layer_of(name: str) -> int | None:
+    """The decoder layer a tensor name belongs to, or None (embedding, final norm, head)."""
+    layer = _LAYER.search(name)
+    return int(layer.group(1)) if layer else None
+
+
 def layer_groups(names: list[str]) -> list[list[str]]:
     """Names in order, one group per decoder layer (what precedes layer 1 joins layer 0, what follows the last
     layer joins it): one shard per layer, so a checkpoint of real dims is written a layer at a time."""
     groups, current = [], None
     for name in names:
-        layer = _LAYER.search(name)
-        layer = layer.group(1) if layer else None
+        layer = layer_of(name)
         if layer is not None and layer != current and current is not None:
             groups.append([])
         if layer is not None:

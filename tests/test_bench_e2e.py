@@ -211,7 +211,7 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         want = wanted[name] = make_tiny(tmp_path / f"want-{name}", preset=preset, layers=layers, fp8=True,
                                         overrides=overrides)
         assert bench_e2e.load_json(got / "config.json") == bench_e2e.load_json(want / "config.json")
-        index, want_index = (bench_e2e.load_json(d / bench_e2e.INDEX) for d in (got, want))
+        index, want_index = (bench_e2e.load_json(d / bench_e2e.INDEX_FILE) for d in (got, want))
         assert index["metadata"] == want_index["metadata"]
         assert index["weight_map"].keys() == want_index["weight_map"].keys()
         tensors, want_tensors = ({k: v for f in set(i["weight_map"].values()) for k, v in load_file(d / f).items()}
@@ -219,7 +219,7 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         assert all(torch.equal(tensors[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want_tensors.items())
         shards = set(index["weight_map"].values())
         assert sum((got / f).stat().st_ino == (base / f).stat().st_ino for f in shards) == len(shards) - 1
-    names = [bench_e2e.load_json(tmp_path / cut / bench_e2e.INDEX)["weight_map"]
+    names = [bench_e2e.load_json(tmp_path / cut / bench_e2e.INDEX_FILE)["weight_map"]
              for cut in ("3-layers", "3-layers-shared")]
     assert [any(".2.self_attn.indexer." in k for k in n) for n in names] == [True, False]
     text = Path(load_rules("glm5-cpu").path).read_text()

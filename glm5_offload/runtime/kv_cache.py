@@ -197,7 +197,8 @@ class KVCache:
             rows_store = self.latent[layer]
             if not isinstance(rows_store, TieredLatent) or not rows_store.fits_fetch(indices):
                 continue
-            in_order = rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing()  # a graph's
+            # in order on the current stream while a graph is captured (its pieces run in order anyway)
+            in_order = rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
             with Beside(rows_store.device, on=not in_order) as beside:
                 rows_store.fetch(indices, positions)
             self.prefetched[layer] = None
