@@ -108,15 +108,13 @@ def sweep(hbm: float, formats=("fp8", "int4"), prefill_tile: bool = True) -> lis
     out = []
     shipped = dict(linear_triton.DECODE_TILE), dict(linear_triton.INT4_GEMV_TILE)
     made = {name: (n, k, copies(n, k)) for name, n, k in [("o_proj", 6144, 16384), ("q_b_proj", 16384, 2048)]}
-    # ahead (int4): the next group's words read into registers while one is computed; loop_stages: the loop's
-    # loads issued that many iterations ahead by Triton (cp.async)
+    # loop_stages (fp8): a long loop's loads issued that many iterations ahead by Triton (cp.async; o_proj's loop
+    # is long, q_b_proj's is not)
     grids = {"fp8": (linear_triton.DECODE_TILE,
                      [(b, w, s, 1, {"loop_stages": p}) for b in (32, 64, 128) for w in (4, 8) for s in (2, 4, 8)
-                      for p in (None, 2, 3, 4)]),
+                      for p in (None, 3, 4)]),
              "int4": (linear_triton.INT4_GEMV_TILE,
-                      [(b, w, s, o, {"ahead": a, "loop_stages": p}) for b in (64, 128) for w in (2, 4, 8)
-                       for s in (1, 2) for o in (1, 2) for a in (False, True) for p in (None, 3)
-                       if (s == 1 or not a) and not (a and p)])}
+                      [(b, w, s, o, {}) for b in (64, 128) for w in (2, 4, 8) for s in (1, 2) for o in (1, 2)])}
     for fmt in formats:
         tile, grid = grids[fmt]
         for block_n, warps, step, oversplit, more in grid:
@@ -161,7 +159,7 @@ def best_tiles(rows: list[dict]) -> dict[str, dict]:
     for fmt in sorted({r["format"] for r in rows if "format" in r}):
         ok = [r for r in rows if r.get("format") == fmt and r["o_proj"] == r["o_proj"]]
         top = max(ok, key=lambda r: r["o_proj"] + r["q_b_proj"])
-        keys = ("block_n", "num_warps", "num_stages", "step", "oversplit", "ahead", "loop_stages")
+        keys = ("block_n", "num_warps", "num_stages", "step", "oversplit", "loop_stages")
         best[fmt] = {k: top[k] for k in keys if k in top}
     return best
 

@@ -36,10 +36,12 @@ from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
-DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True, "loop_stages": None}
+# loop_stages: a one-row program's loop pipelined by Triton when it runs at least long_loop iterations (H200, GLM-5's
+# shapes: o_proj's 13 iterations 73.5 -> 77.1% of HBM; the 2-4 of the others lose 1-13 points; 2 stages lose everywhere)
+DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True, "loop_stages": 3,
+               "long_loop": 8}
 INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, int4 for 2-32 rows
-INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1, "ahead": False,
-                  "loop_stages": None}  # int4, one row
+INT4_GEMV_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "oversplit": 1}  # int4, one row
 MAGIC_BITS = (0x41800000, 0x3F800000)  # 16.0 and 1.0 as fp32 bits (_int4_gemv_kernel's magic_16, magic_1)
 MAX_TILES = 4096  # decode tiles that can be split (more tiles than programs wanted are never split)
 PREFILL_TILE = {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 3}
@@ -55,7 +57,8 @@ def _fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N
     # FP8_HW: the GPU converts e4m3 itself and has FP8 tensor cores (sm89+); else bit arithmetic (x 1/256).
     # STEP 128-blocks of inputs per iteration; VECTOR (M = 1): products summed without a dot. LOOP_STAGES (None:
     # Triton's default, which pipelines only the loads that feed a dot): the loop's loads issued that many
-    # iterations ahead (cp.async into shared memory), so a one-row GEMV keeps HBM reads in flight while it computes.
+    # iterations ahead (cp.async into shared memory), so a long one-row loop keeps HBM reads in flight while it
+    # computes.
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,13 +171,12 @@ def _nibbles(t, word, magic_16, magic_1, x_16, x_1, EXACT: tl.constexpr):
 @triton.jit
 def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, groups_per_split, magic_16,
                       magic_1, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAST: tl.constexpr,
-                      STEP: tl.constexpr, EXACT: tl.constexpr, AHEAD: tl.constexpr, LOOP_STAGES: tl.constexpr):
+                      STEP: tl.constexpr, EXACT: tl.constexpr):
     # One row of x [1, K] times int4 W: w as int32 words [N, K/8] (word j of a group = bytes 4j..4j+3 of
     # _int4_kernel's layout: inputs 4j + c in the low nibbles, G/2 + 4j + c in the high ones), ws [N, K/G] fp32; out,
-    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group) and
-    # enough reads are in flight: AHEAD (STEP 1) loads the next group's words and scales before this group is
-    # computed, so the HBM reads overlap the arithmetic (registers double-buffered; without it a program waits on
-    # each group's words, then computes with none in flight); LOOP_STAGES does it Triton's way (_fp8_kernel's).
+    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group). (Reads
+    # issued ahead, the next group's words in registers or the loop pipelined by Triton, lost 1-5 points on the
+    # H200: the program waits on each group's words, then computes with none in flight, and it is still faster.)
     W: tl.constexpr = G // 8
     pid_n, split = tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,26 +187,15 @@ def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, 
     g1 = tl.minimum(g0 + groups_per_split, n_groups)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * (K // 8) + j[None, :]
     acc = tl.zeros((BLOCK_N, W), tl.float32)
-    if AHEAD:
-        tl.static_assert(STEP == 1, "AHEAD loads one group ahead")
-        w_next = tl.load(w_rows + g0 * W, mask=n_ok[:, None] & (g0 < g1), other=0)
-        scale_next = tl.load(ws_ptr + n * n_groups + g0, mask=n_ok & (g0 < g1), other=0.0)
-        for g in range(g0, g1):
-            w, scale = w_next.to(tl.uint32, bitcast=True), scale_next
-            w_next = tl.load(w_rows + (g + 1) * W, mask=n_ok[:, None] & (g + 1 < g1), other=0)
-            scale_next = tl.load(ws_ptr + n * n_groups + g + 1, mask=n_ok & (g + 1 < g1), other=0.0)
-            acc = _int4_group(acc, w, scale, x_ptr, g, g < g1, magic_16, magic_1, G, EXACT)
-    else:
-        for g_first in tl.range(g0, g1, STEP, num_stages=LOOP_STAGES):
-            for i in tl.static_range(STEP):
-                g = g_first + i
-                g_ok = g < g1
-                w = tl.load(w_rows + g * W, mask=n_ok[:, None] & g_ok, other=0).to(tl.uint32, bitcast=True)
-                # one scale a row, as a [BLOCK_N] vector (loaded as [BLOCK_N, W] broadcast along the words, it set
-                # the layout of the words' load too: a row a thread, uncoalesced, 18% of the H200's bandwidth
-                # instead of 53%)
-                scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
-                acc = _int4_group(acc, w, scale, x_ptr, g, g_ok, magic_16, magic_1, G, EXACT)
+    for g_first in range(g0, g1, STEP):
+        for i in tl.static_range(STEP):
+            g = g_first + i
+            g_ok = g < g1
+            w = tl.load(w_rows + g * W, mask=n_ok[:, None] & g_ok, other=0).to(tl.uint32, bitcast=True)
+            # one scale a row, as a [BLOCK_N] vector (loaded as [BLOCK_N, W] broadcast along the words, it set the
+            # layout of the words' load too: a row a thread, uncoalesced, 18% of the H200's bandwidth instead of 53%)
+            scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
+            acc = _int4_group(acc, w, scale, x_ptr, g, g_ok, magic_16, magic_1, G, EXACT)
     y = tl.sum(acc, axis=1) * 128.0
     _write_tile(y[None, :], out_ptr, part_ptr, count_ptr, tl.arange(0, BLOCK_M), n, M, N)
 
@@ -331,6 +322,8 @@ def _launch(kernel, x, steps: int, N: int, args: tuple, tile: dict | None = None
     part = torch.empty(splits, M, N, device=x.device, dtype=torch.float32) if splits > 1 else out
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
     cast = INTERPRET or x.dtype == torch.float32
+    if meta.get("LOOP_STAGES") and triton.cdiv(per_split, meta["STEP"]) < tile["long_loop"]:
+        meta["LOOP_STAGES"] = None  # a short loop loses more to the pipeline's start than it gains
     kernel[grid](*args, out, part, _tile_counters(x.device), M, N, x.shape[1], per_split, BLOCK_M=block_m,
                  BLOCK_N=block_n, CAST=cast, num_warps=tile["num_warps"], num_stages=tile["num_stages"], **meta)
     return out
@@ -365,8 +358,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
     if M == 1:
         return _launch(_int4_gemv_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed.view(torch.int32),
                        scales), INT4_GEMV_TILE, vector=True, magic_16=MAGIC_BITS[0], magic_1=MAGIC_BITS[1], G=group,
-                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32, AHEAD=INT4_GEMV_TILE["ahead"],
-                       LOOP_STAGES=INT4_GEMV_TILE["loop_stages"])
+                       STEP=INT4_GEMV_TILE["step"], EXACT=x.dtype == torch.float32)
     decode = M <= DECODE_ROWS
     return _launch(_int4_kernel, x, K // group, packed.shape[0], (x.contiguous(), packed, scales), INT4_DECODE_TILE,
                    G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1)

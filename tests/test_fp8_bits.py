@@ -74,7 +74,7 @@ int4_linear = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "
                "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "groups_per_split": "i32",
                **K("G BLOCK_M BLOCK_N CAST STEP")}
 int4_gemv = {**{k: v for k, v in int4_linear.items() if v != "constexpr"}, "w_ptr": "*i32", "magic_16": "i32",
-             "magic_1": "i32", **K("G BLOCK_M BLOCK_N CAST STEP EXACT AHEAD LOOP_STAGES")}
+             "magic_1": "i32", **K("G BLOCK_M BLOCK_N CAST STEP EXACT")}
 indexer = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*fp32",
            "S": "i32", "T": "i32", "scale": "fp32"}
 indexer_fp8 = {**indexer, "q_ptr": "*u8", **K("H D BLOCK_S S_PAD BLOCK_T KEY_BLOCKS FP8_HW CAST")}
@@ -84,17 +84,13 @@ quantize = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32"
 rows = {"scores_ptr": "*fp32", "T": "i32", "k": "i32", "per_program": "i32"}
 fp8_tile = lambda **k: {**dict(BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=False,
                                LOOP_STAGES=None), **k}
-int4_gemv_tile = lambda **k: {**dict(G=128, BLOCK_M=1, BLOCK_N=64, CAST=False, STEP=1, EXACT=False, AHEAD=False,
-                                     LOOP_STAGES=None), **k}
 KERNELS = [
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=16, STEP=2)),
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, VECTOR=True)),
     (l._fp8_kernel, fp8_linear, fp8_tile(BLOCK_M=1, VECTOR=True, STEP=2, LOOP_STAGES=3)),
     (l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True)),
     (l._int4_kernel, int4_linear, dict(G=128, BLOCK_M=16, BLOCK_N=64, CAST=False, STEP=2)),
-    (l._int4_gemv_kernel, int4_gemv, int4_gemv_tile(BLOCK_N=128, STEP=2)),
-    (l._int4_gemv_kernel, int4_gemv, int4_gemv_tile(AHEAD=True)),
-    (l._int4_gemv_kernel, int4_gemv, int4_gemv_tile(STEP=2, LOOP_STAGES=3)),
+    (l._int4_gemv_kernel, int4_gemv, dict(G=128, BLOCK_M=1, BLOCK_N=128, CAST=False, STEP=2, EXACT=False)),
     (l._quantize_activations_kernel, quantize, dict(BLOCK_M=16, FP8_MAX=448.0, FP8_HW=False)),
     (l._fp8_dequantize_kernel, {"w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32",
                                 **K("BLOCK_N")}, dict(BLOCK_N=64)),
@@ -199,4 +195,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "40 kernels" in proc.stdout
+    assert "38 kernels" in proc.stdout

@@ -37,14 +37,39 @@ def check(y, want, dtype):
 @pytest.mark.parametrize("M", [1, 5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linear_equals_the_reference(monkeypatch, M, dtype):
-    """Partial 128-blocks at both edges (200 x 300); decode (M <= 32) and prefill tiles; one row also with its
-    loop's loads issued ahead (loop_stages)."""
+    """Partial 128-blocks at both edges (200 x 300); decode (M <= 32) and prefill tiles; one row with its loop
+    pipelined (loop_stages, forced on this short loop) and not."""
     w8, scales = fp8_blocks.quantize(random((200, 300), M) * 0.05)
     x = random((M, 300), M + 1).to(dtype)
+    monkeypatch.setitem(linear_triton.DECODE_TILE, "long_loop", 1)
     for loop_stages in (None, 3) if M == 1 else (None,):
         monkeypatch.setitem(linear_triton.DECODE_TILE, "loop_stages", loop_stages)
         y = linear_triton.fp8_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE), fp8_dot=False)
         check(y, linear_triton.linear_reference(x, "fp8", w8, scales), dtype)
+
+
+def test_one_row_fp8_pipelines_only_long_loops(monkeypatch):
+    """The shipped DECODE_TILE's loop_stages reach the kernel only for one row and a loop of long_loop iterations or
+    more per program (32 blocks of inputs, `step` a loop, over 1, 2 or 4 programs)."""
+    launches = []
+
+    class Recorder:  # stands in for the kernel: records (splits, LOOP_STAGES) of each launch
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid[2], meta["LOOP_STAGES"]))
+
+    monkeypatch.setattr(linear_triton, "_fp8_kernel", Recorder())
+    tile = linear_triton.DECODE_TILE
+    w8, scales = fp8_blocks.quantize(random((64, 32 * 128), 1))
+    for programs in (1, 2, 4):
+        monkeypatch.setattr(linear_triton, "programs_wanted", lambda device: programs)
+        for rows in (1, 3):
+            linear_triton.fp8_linear(random((rows, 32 * 128), 2), w8, scales)
+    want = []
+    for splits in (1, 2, 4):
+        long = 32 // splits // tile["step"] >= tile["long_loop"]
+        want += [(splits, tile["loop_stages"] if long else None), (splits, None)]  # one row, then three
+    assert launches == want
+    assert {stages for _, stages in want} == {tile["loop_stages"], None}  # both kinds of loop among these
 
 
 def test_fp8_dot_quantises_the_activations_per_128_inputs():
@@ -63,14 +88,12 @@ def test_fp8_dot_quantises_the_activations_per_128_inputs():
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M", [1, 7, 40])
 def test_int4_linear_equals_the_reference(monkeypatch, M, group):
-    """(One row: also with each group's words loaded while the one before is computed, the `ahead` tile, and with
-    the loop's loads issued ahead by Triton, loop_stages.)"""
+    """(One row: the GEMV kernel, with one group and with two a step.)"""
     values, scales = int_groups.quantize(random((130, 256), group), "int4", group)
     x = random((M, 256), M)
     w, s = torch.from_numpy(values), torch.from_numpy(scales)
-    for tile in ({}, {"step": 1, "ahead": True}, {"ahead": False, "loop_stages": 3}) if M == 1 else ({},):
-        for key, value in tile.items():
-            monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, key, value)
+    for step in (1, 2) if M == 1 else (1,):
+        monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "step", step)
         for dtype in (torch.float32, torch.bfloat16):
             y = linear_triton.int4_linear(x.to(dtype).to(DEVICE), w.to(DEVICE), s.to(DEVICE), group)
             check(y, linear_triton.linear_reference(x.to(dtype), "int4", w, s, group), dtype)
@@ -78,7 +101,7 @@ def test_int4_linear_equals_the_reference(monkeypatch, M, group):
         linear_triton.int4_linear(x[:, :96], w[:, :48], s, 128)
 
 
-@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True}, {"ahead": True},
+@pytest.mark.parametrize("tile", [{}, {"step": 2}, {"step": 4, "vector": True}, {"vector": True},
                                   {"vector": True, "loop_stages": 3}])
 def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     """Decode splits the inputs over programs (forced here: the interpreter runs one); the tile's last program adds
@@ -88,11 +111,8 @@ def test_split_inputs_sum_in_a_fixed_order(monkeypatch, tile):
     monkeypatch.setitem(linear_triton.DECODE_TILE, "step", tile.get("step", 1))
     monkeypatch.setitem(linear_triton.DECODE_TILE, "vector", tile.get("vector", False))
     monkeypatch.setitem(linear_triton.INT4_DECODE_TILE, "step", tile.get("step", 1))
-    if tile.get("ahead"):
-        monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "step", 1)
-        monkeypatch.setitem(linear_triton.INT4_GEMV_TILE, "ahead", True)
-    for tile_dict in (linear_triton.DECODE_TILE, linear_triton.INT4_GEMV_TILE):
-        monkeypatch.setitem(tile_dict, "loop_stages", tile.get("loop_stages"))
+    monkeypatch.setitem(linear_triton.DECODE_TILE, "loop_stages", tile.get("loop_stages"))
+    monkeypatch.setitem(linear_triton.DECODE_TILE, "long_loop", 1)
     for rows in (1, 3):
         w8, scales = fp8_blocks.quantize(random((64, 1000), rows))
         x = random((rows, 1000), 4)
