@@ -10,8 +10,10 @@ context, a fresh engine and `glm5 bench`'s
 measurement (benchmark.run_benchmark), or with --filled only decode, after a context of random cache rows
 (bench_context.fill, as if prefilled: a 1M context's decode without its 1M prefill), --repeats times (the median
 load's figures kept: median_trial), each load in a process of its own as a user's (in_own_process); with --peer,
-transformers on the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; then the host's read
-bandwidth and the projection to GLM-5 and GLM-5.2: with two layer counts, the cost of one more MoE layer times the
+transformers on the same checkpoint (bench_peer.py) and our decode speed-up per layer over it; each load also measures
+the host's read bandwidth in its process right after its decode (the bound of that load: it has ranged 101-137 GB/s
+from one process to the next on one H200 machine), and the projection to GLM-5 and GLM-5.2 takes its bound from
+the median of the loads' reads at each context: with two layer counts, the cost of one more MoE layer times the
 targets' MoE layers plus the fixed rest, the layer's cost in parts (step_parts: its CPU experts' time in the step, the
 median over every load, whose speed varies from one to the next on the H200 machine's host; the rest from the
 checkpoints' difference) and, beside it, the difference of the median loads (marginal_layer) with each run's CPU
@@ -100,6 +102,13 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)
+    if not prefill_only:  # this load's bound: the host's read right after its decode, in its process
+        result["read_gb_s"] = read = read_bandwidth_gb_s()
+        experts_ms = (result["graph_split_ms_per_token"] or {}).get("experts")
+        if fmt and experts_ms:
+            gb_s = nbytes(model.config.active_expert_weights, *fmt) / experts_ms / 1e6
+            print(f"host read after the decode {read:.0f} GB/s; the experts in the step read {gb_s:.0f} GB/s, "
+                  f"{gb_s / read:.0%} of it", flush=True)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -203,7 +212,7 @@ def median_trial(trials: list[tuple[dict, tuple | None]]) -> tuple[dict, tuple |
     return sorted(trials, key=lambda t: trial_ms(t[0]))[(len(trials) - 1) // 2]
 
 
-def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: float,
+def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: list[float],
                layer: list[dict] | None = None, basis: str = "marginal",
                shared: list[dict] | None = None) -> list[dict]:
     """Decode per token of each target: the fixed part plus its MoE layers times one MoE layer's step where two
@@ -211,16 +220,16 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
     for a MoE layer that is an IndexShare shared layer, which reuses the selection below it, taken for a target's
     shared MoE layers), else the whole measured step per MoE layer (conservative). A step cheaper than its experts'
     bytes at the read bandwidth is the runs' noise, not a speed: that row takes the conservative basis (and says so).
-    A context beyond a target's max_position_embeddings has no row."""
+    A context beyond a target's max_position_embeddings has no row. read_gb_s: the host's read, per context."""
     rows = []
     for target in TARGETS:
         config = load_config(target)
         moe = len(config.moe_layers)
         full = sum(config.indexer_types[i] == "full" for i in config.moe_layers) if shared else moe
-        bound_ms = None if fmt is None else nbytes(config.active_expert_weights, *fmt) / read_gb_s / 1e6
         for i, r in enumerate(results):
             if r["context"] > config.max_position_embeddings:  # GLM-5 at 1M: only GLM-5.2 reaches it
                 continue
+            bound_ms = None if fmt is None else nbytes(config.active_expert_weights, *fmt) / read_gb_s[i] / 1e6
             ms, name = r["decode_ms_per_token"] * moe / measured_moe, "whole step"
             if layer:
                 steps = full * layer[i]["moe_layer_ms"] + ((moe - full) * shared[i]["moe_layer_ms"] if full < moe
@@ -270,8 +279,8 @@ def marginal_layer(runs: dict[int, list[dict]], moe: dict[int, int]) -> list[dic
         split_x, split_y = x["graph_split_ms_per_token"], y["graph_split_ms_per_token"]
         experts = None if not split_x else (split_y["experts"] - split_x["experts"]) / (moe[b] - moe[a])
         alone = [alone_ms(r, moe[n]) for r, n in ((x, a), (y, b))]
-        rows.append({"context": x["context"], "moe_layer_ms": step, "fixed_ms": x["decode_ms_per_token"] - moe[a] * step,
-                     "moe_layer_experts_ms": experts, "step_over_experts": None if not experts else step / experts,
+        rows.append({"context": x["context"], "moe_layer_ms": step,
+                     "fixed_ms": x["decode_ms_per_token"] - moe[a] * step, "moe_layer_experts_ms": experts, "step_over_experts": None if not experts else step / experts,
                      "experts_alone_ms_per_layer": alone})
     return rows
 
@@ -421,9 +430,10 @@ def main(argv=None):
             for p in rows:
                 print(f"| {p['context']} | {kind} | {p['loads']} | {p['experts_ms']:.2f} | {p['rest_ms']:.2f} | "
                       f"{p['moe_layer_ms']:.2f} | {p['step_over_experts']:.2f}x | {p['fixed_ms']:.2f} |")
-    read_gb_s, rows = None, []
-    if not args.prefill_only:
-        read_gb_s = read_bandwidth_gb_s()
+    read_gb_s, rows = [], []
+    if not args.prefill_only:  # per context, the median of the reads measured in the loads' processes
+        read_gb_s = [statistics.median(r["read_gb_s"] for at_context in loads.values() for r in at_context[i])
+                     for i in range(len(results))]
         first = next(iter(pairs), None)  # the layer kind the fixed part is taken with
         layer, basis = (in_parts, "parts") if in_parts else (marginal, "marginal")
         rows = projection(results, measured_moe, fmt, read_gb_s, layer.get(first), basis, layer.get("shared"))
@@ -432,8 +442,8 @@ def main(argv=None):
                                marginal.get("shared"))
         how = (f"fixed part + one MoE layer's step{' in parts' if in_parts else ''} per MoE layer" if first
                else "the whole step per MoE layer")
-        print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read "
-              f"{read_gb_s:.0f} GB/s; {how}")
+        print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read (the median of "
+              f"the loads') {' / '.join(f'{r:.0f}' for r in read_gb_s)} GB/s; {how}")
         print("| model | context | measured ms/token | basis | projected ms/token | tok/s | host-BW bound tok/s | "
               "of bound |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")

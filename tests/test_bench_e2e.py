@@ -3,6 +3,7 @@ noise, is not projected from; nor is a context beyond the target's window), the 
 every load), decode after a filled context (--filled) and the median of several loads (--repeats), each in a
 process of its own."""
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from glm5_offload.runtime.tiered_kv import TieredLatent  # noqa: E402
 
 def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
     results = [{"context": 4096, "decode_ms_per_token": 6.0}]
-    fmt, read = ("int4", 128), 100.0  # a GLM-5 layer's 8 int4 experts: 161 MB, 1.6 ms at 100 GB/s
+    fmt, read = ("int4", 128), [100.0]  # a GLM-5 layer's 8 int4 experts: 161 MB, 1.6 ms at 100 GB/s
     honest = bench_e2e.projection(results, 1, fmt, read, [{"fixed_ms": 1.0, "moe_layer_ms": 3.0}])
     noise = bench_e2e.projection(results, 1, fmt, read, [{"fixed_ms": 4.6, "moe_layer_ms": 1.4}])
     for row in honest:
@@ -61,7 +62,7 @@ def test_the_step_in_parts_takes_the_experts_over_every_load():
     assert row["moe_layer_ms"] == pytest.approx(2.375) and row["step_over_experts"] == pytest.approx(2.375 / 2.075)
     [marginal] = bench_e2e.marginal_layer({2: [small[1]], 3: [large[2]]}, {2: 1, 3: 2})  # the median loads
     assert marginal["moe_layer_ms"] == pytest.approx(5.2 - 2.9)  # 2.3: the two loads' luck
-    rows = bench_e2e.projection([small[1]], 1, ("int4", 128), 100.0, [row], "parts")
+    rows = bench_e2e.projection([small[1]], 1, ("int4", 128), [100.0], [row], "parts")
     assert [r["basis"] for r in rows] == ["parts", "parts"]
     assert rows[0]["projected_ms_per_token"] == pytest.approx(0.5 + 75 * 2.375)
     small[0]["graph_split_ms_per_token"] = None  # a load without CPU experts in its step: no parts
@@ -70,8 +71,9 @@ def test_the_step_in_parts_takes_the_experts_over_every_load():
 
 def test_a_context_beyond_a_targets_window_is_not_projected_for_it():
     results = [{"context": 4096, "decode_ms_per_token": 6.0}, {"context": 1048448, "decode_ms_per_token": 7.0}]
-    rows = bench_e2e.projection(results, 1, ("int4", 128), 100.0)
+    rows = bench_e2e.projection(results, 1, ("int4", 128), [100.0, 80.0])
     assert [(r["target"], r["context"]) for r in rows] == [("glm-5", 4096), ("glm-5.2", 4096), ("glm-5.2", 1048448)]
+    assert rows[1]["bound_tok_s"] == pytest.approx(rows[2]["bound_tok_s"] * 100 / 80)  # each context's own read
 
 
 def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
@@ -86,6 +88,24 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
     assert tiered and all(store.end == 152 for store in tiered)
     logits = engine.model(torch.tensor([1]), engine.cache, logits_for="last")
     assert torch.isfinite(logits).all()
+
+
+def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, capsys):
+    """bench_context: each load's bound is the host's read measured in its own process after its decode, printed
+    beside what its CPU experts read in the step (the step's split faked here: there are no CUDA graphs)."""
+    from glm5_offload.config import load_config
+    from glm5_offload.formats.int_groups import nbytes
+
+    filled = bench_e2e.decode_filled
+    monkeypatch.setattr(bench_e2e, "decode_filled", lambda *a: {**filled(*a), "graph_split_ms_per_token":
+                                                                 {"experts": 0.01, "gpu wait": 0.5}})
+    monkeypatch.setattr(bench_e2e, "read_bandwidth_gb_s", lambda: 40.0)
+    monkeypatch.setattr(bench_e2e, "load_model", lambda *a, **k: load_model(*a, device="cpu", **k))  # (no GPU here)
+    result, fmt = bench_e2e.bench_context(tiny_dir(), load_rules("glm5"), 150, 2, 64, filled=True)
+    assert result["read_gb_s"] == 40.0 and fmt is not None
+    gb_s = nbytes(load_config(tiny_dir()).active_expert_weights, *fmt) / 0.01 / 1e6
+    assert f"host read after the decode 40 GB/s; the experts in the step read {gb_s:.0f} GB/s, {gb_s / 40:.0%} of it" \
+        in capsys.readouterr().out
 
 
 def test_repeats_keep_the_median_load_whole(capsys):
@@ -114,7 +134,8 @@ def test_each_load_runs_in_a_process_of_its_own():
 def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None):
     """Configs of a 2- and a 3-layer cut of the tiny model (1 and 2 MoE layers; with shared_rest, a 3-layer one whose
     last layer is an IndexShare shared layer: all main reads of them) and bench_context faked: each load's step is
-    0.5 ms + per MoE layer its experts (the next of `experts`) + 0.3 ms of rest (a shared layer's: shared_rest)."""
+    0.5 ms + per MoE layer its experts (the next of `experts`) + 0.3 ms of rest (a shared layer's: shared_rest), and
+    its host read after the decode 90, 100, 140, 100, 95, 130 GB/s in turn."""
     import json
 
     from glm5_offload.tiny import make_tiny
@@ -128,7 +149,7 @@ def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None):
             cut["indexer_types"] = ["full", "full", "shared"]
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(dict(cut, num_hidden_layers=n)))
-    experts = iter(experts)
+    experts, reads = iter(experts), itertools.cycle([90.0, 100.0, 140.0, 100.0, 95.0, 130.0])
 
     def fake_load(fn, model_dir, rules, context, *rest):
         e = next(experts)
@@ -136,10 +157,9 @@ def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None):
                                                                  else 0.3]
         return ({"context": context, "decode_ms_per_token": 0.5 + sum(e + r for r in layers),
                  "graph_split_ms_per_token": {"experts": len(layers) * e},
-                 "experts_alone_ms_per_token": len(layers) * 1.9}, ("int4", 128))
+                 "experts_alone_ms_per_token": len(layers) * 1.9, "read_gb_s": next(reads)}, ("int4", 128))
 
     monkeypatch.setattr(bench_e2e, "in_own_process", fake_load)
-    monkeypatch.setattr(bench_e2e, "read_bandwidth_gb_s", lambda: 100.0)
 
 
 def test_main_projects_from_the_step_in_parts(tmp_path, monkeypatch, capsys):
@@ -156,6 +176,7 @@ def test_main_projects_from_the_step_in_parts(tmp_path, monkeypatch, capsys):
     saved = json.loads((tmp_path / "out.json").read_text())
     assert [len(loads) for loads in saved["loads"].values()] == [1, 1] and len(saved["loads"]["2"][0]) == 3
     assert saved["step_parts"]["full"][0]["moe_layer_ms"] == pytest.approx(2.375)
+    assert saved["read_gb_s"] == [100.0] and "host read (the median of the loads') 100 GB/s" in out  # of the six
 
 
 def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, monkeypatch, capsys):
