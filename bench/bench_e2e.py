@@ -43,8 +43,8 @@ from bench_context import fill
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm5_offload.benchmark import (experts_alone, format_table, generate_split, prefill_projection, prefill_split,
-                                    random_prompt, run_benchmark)
+from glm5_offload.benchmark import (experts_alone, experts_huge_pages, format_table, generate_split,
+                                    prefill_projection, prefill_split, random_prompt, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
@@ -105,10 +105,12 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     if not prefill_only:  # this load's bound: the host's read right after its decode, in its process
         result["read_gb_s"] = read = read_bandwidth_gb_s()
         experts_ms = (result["graph_split_ms_per_token"] or {}).get("experts")
-        if fmt and experts_ms:
+        if fmt and experts_ms:  # (loads' experts have differed by 25% at one read: huge pages named to compare)
             gb_s = nbytes(model.config.active_expert_weights, *fmt) / experts_ms / 1e6
+            pages = experts_huge_pages(model)
+            huge = f" ({pages[1] / pages[0]:.0%} of their memory in huge pages)" if pages and pages[0] else ""
             print(f"host read after the decode {read:.0f} GB/s; the experts in the step read {gb_s:.0f} GB/s, "
-                  f"{gb_s / read:.0%} of it", flush=True)
+                  f"{gb_s / read:.0%} of it{huge}", flush=True)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

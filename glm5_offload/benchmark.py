@@ -167,6 +167,13 @@ def experts_alone(model, calls: int = 16, seed: int = 0) -> float | None:
     return sum(sorted(t[1:])[len(t[1:]) // 2] for t in times) * 1e3
 
 
+def experts_huge_pages(model) -> tuple[int, int] | None:
+    """(bytes mapped, bytes in transparent huge pages) of the memory holding the model's CPU experts
+    (checkpoint.huge_pages)."""
+    return huge_pages([getattr(m, name) for m in model.modules() if isinstance(m, NumbaExperts)
+                       for name in ("w13", "s13", "w2", "s2")])
+
+
 def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
     measured decode's fraction of it, and the bytes of the memory holding the CPU experts in huge pages (a 4 KiB
@@ -180,8 +187,7 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None
     read = read_bandwidth_gb_s(1 << 30, repeats=3)
     bound = read * 1e9 / plan.active_expert_bytes
     alone_ms = experts_alone(model)
-    pages = huge_pages([getattr(m, name) for m in model.modules() if isinstance(m, NumbaExperts)
-                        for name in ("w13", "s13", "w2", "s2")])
+    pages = experts_huge_pages(model)
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
             "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,

@@ -5,6 +5,7 @@ process of its own."""
 
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
 
 def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, capsys):
     """bench_context: each load's bound is the host's read measured in its own process after its decode, printed
-    beside what its CPU experts read in the step (the step's split faked here: there are no CUDA graphs)."""
+    beside what its CPU experts read in the step and how much of their memory is in huge pages (the step's split
+    faked here: there are no CUDA graphs)."""
     from glm5_offload.config import load_config
     from glm5_offload.formats.int_groups import nbytes
 
@@ -104,8 +106,8 @@ def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, c
     result, fmt = bench_e2e.bench_context(tiny_dir(), load_rules("glm5"), 150, 2, 64, filled=True)
     assert result["read_gb_s"] == 40.0 and fmt is not None
     gb_s = nbytes(load_config(tiny_dir()).active_expert_weights, *fmt) / 0.01 / 1e6
-    assert f"host read after the decode 40 GB/s; the experts in the step read {gb_s:.0f} GB/s, {gb_s / 40:.0%} of it" \
-        in capsys.readouterr().out
+    line = f"host read after the decode 40 GB/s; the experts in the step read {gb_s:.0f} GB/s, {gb_s / 40:.0%} of it"
+    assert re.search(re.escape(line) + r" \(\d+% of their memory in huge pages\)\n", capsys.readouterr().out)
 
 
 def test_repeats_keep_the_median_load_whole(capsys):
