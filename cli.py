@@ -84,10 +84,13 @@ def _rules(args, run: bool, model_type: str):
     return load_rules(default), device
 
 
-def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from: str = "--max-seq-len"):
+def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from: str = "--max-seq-len",
+            check_prompt=None):
     """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags. Every
     flag and the config are checked before the tokenizer or any weight is read; chat: the tokenizer must have a
-    chat template (chat, serve). max_seq_len_from: what set args.max_seq_len, named where the model refuses it."""
+    chat template (chat, serve). max_seq_len_from: what set args.max_seq_len, named where the model refuses it.
+    check_prompt(config, tokenizer, max_seq_len): generate's prompt checked before any weight is read (a big
+    model's load takes minutes)."""
     import torch
 
     from glm5_offload.config import load_config
@@ -117,6 +120,8 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
     if chat and tokenizer.chat_template is None:
         raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
                         "chat_template.jinja), which chat and serve need; generate --prompt takes raw text")
+    if check_prompt is not None:
+        check_prompt(config, tokenizer, max_seq_len)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = load_model(model_dir, device=device, dtype=dtype, rules=rules, max_seq_len=max_seq_len,
                        budgets=budgets, kv_dtype=args.kv_dtype)
@@ -163,10 +168,20 @@ def _prompt_text(args) -> str | None:
 
 
 def cmd_generate(args):
+    from glm5_offload.runtime.engine import check_prompt
+
     text = _prompt_text(args)
     _check_context_files(args.save_context, args.load_context)
-    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=text is not None)
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False) if text is not None else _prompt_ids(args.prompt_ids)
+    prompt_ids = None if text is not None else _prompt_ids(args.prompt_ids)
+
+    def tokens(config, tokenizer, max_seq_len):  # the prompt's ids and their checks, before the weights
+        nonlocal prompt_ids
+        if prompt_ids is None:
+            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        check_prompt(prompt_ids, args.max_new_tokens, config.vocab_size, max_seq_len)
+
+    engine, tokenizer, params, model_dir, is_default = _engine(args, tokenizer_required=text is not None,
+                                                               check_prompt=tokens)
     if args.load_context:
         from glm5_offload.runtime.saved_context import load_context
 

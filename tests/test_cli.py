@@ -129,6 +129,23 @@ def test_prompt_file_and_stdin_read_the_text(tiny_dir, tmp_path, monkeypatch):
     assert out["prompt_ids"] == AutoTokenizer.from_pretrained(str(tiny_dir())).encode(text, add_special_tokens=False)
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--prompt-ids", "5000"], "prompt token id 5000 is outside the vocabulary (0..1023)"),
+    (["--prompt-ids", ","], "the prompt is empty"),
+    (["--prompt-ids", "1,2", "--max-seq-len", 10, "--max-new-tokens", 20],
+     "prompt of 2 tokens + 20 new tokens exceeds max_seq_len 10"),
+    (["--prompt", "a b c d e f g h", "--max-seq-len", 6, "--max-new-tokens", 1], "new tokens exceeds max_seq_len 6"),
+])
+def test_a_prompt_that_cannot_run_is_refused_before_any_weight_is_read(tiny_dir, tmp_path, args, want):
+    path = broken_copy(tiny_dir, tmp_path)
+    for shard in path.glob("*.safetensors"):  # a weight read would fail on these
+        shard.write_bytes(b"")
+    proc = glm5("generate", "--model", path, *args, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("glm5: error: ")
+    assert want in proc.stderr.strip().splitlines()[-1]
+
+
 def test_prompt_file_errors(tiny_dir, tmp_path):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     # beyond the 128 KiB Linux allows one command-line argument: read whole, then refused for the tiny model's context

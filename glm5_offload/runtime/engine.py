@@ -33,6 +33,18 @@ class SamplingParams:
             raise Glm5Error(f"seed must be a 64-bit integer, got {self.seed}")
 
 
+def check_prompt(prompt_ids: list[int], max_new_tokens: int, vocab: int, max_seq_len: int):
+    """A prompt the engine can run: not empty, its ids in the vocabulary, room for the new tokens."""
+    if not prompt_ids:
+        raise Glm5Error("the prompt is empty")
+    bad = [i for i in prompt_ids if not 0 <= i < vocab]
+    if bad:
+        raise Glm5Error(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    if len(prompt_ids) + max_new_tokens > max_seq_len:
+        raise Glm5Error(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds "
+                        f"max_seq_len {max_seq_len}")
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from logits [vocab] (fp32)."""
     if params.temperature == 0:
@@ -138,15 +150,7 @@ class Engine:
         """Greedy or sampled continuation of prompt_ids. on_token(id) is called for each new token;
         returning True stops the generation there (stop_reason "stop")."""
         params.check()
-        if not prompt_ids:
-            raise Glm5Error("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        bad = [i for i in prompt_ids if not 0 <= i < vocab]
-        if bad:
-            raise Glm5Error(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(prompt_ids) + max_new_tokens > self.max_seq_len:
-            raise Glm5Error(f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds "
-                            f"max_seq_len {self.max_seq_len}")
+        check_prompt(prompt_ids, max_new_tokens, self.model.config.vocab_size, self.max_seq_len)
         generator = None
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
