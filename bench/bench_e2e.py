@@ -282,8 +282,8 @@ def marginal_layer(runs: dict[int, list[dict]], moe: dict[int, int]) -> list[dic
         experts = None if not split_x else (split_y["experts"] - split_x["experts"]) / (moe[b] - moe[a])
         alone = [alone_ms(r, moe[n]) for r, n in ((x, a), (y, b))]
         rows.append({"context": x["context"], "moe_layer_ms": step,
-                     "fixed_ms": x["decode_ms_per_token"] - moe[a] * step, "moe_layer_experts_ms": experts, "step_over_experts": None if not experts else step / experts,
-                     "experts_alone_ms_per_layer": alone})
+                     "fixed_ms": x["decode_ms_per_token"] - moe[a] * step, "moe_layer_experts_ms": experts,
+                     "step_over_experts": None if not experts else step / experts, "experts_alone_ms_per_layer": alone})
     return rows
 
 

@@ -36,8 +36,9 @@ from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot
 DECODE_ROWS = 32  # up to this many rows of x: the split GEMV
 BLOCK = 128  # the fp8 kernel's blocks: a 128 x 128 scale block per k step
 # tiles and launch settings (block_n divides 128), from bench/bench_linear.py's sweep on an H200
-# loop_stages: a one-row program's loop pipelined by Triton when it runs at least long_loop iterations (H200, GLM-5's
-# shapes: o_proj's 13 iterations 73.5 -> 77.1% of HBM; the 2-4 of the others lose 1-13 points; 2 stages lose everywhere)
+# loop_stages: a one-row fp8 program's loop pipelined by Triton when it runs at least long_loop iterations (H200,
+# GLM-5's shapes: o_proj's 13 iterations 73.5 -> 77.1% of HBM; the others' 1-4 lose 0.3-13 points; 2 stages lose
+# everywhere)
 DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2, "vector": True, "loop_stages": 3,
                "long_loop": 8}
 INT4_DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2, "step": 2}  # ditto, int4 for 2-32 rows
@@ -174,9 +175,9 @@ def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, 
                       STEP: tl.constexpr, EXACT: tl.constexpr):
     # One row of x [1, K] times int4 W: w as int32 words [N, K/8] (word j of a group = bytes 4j..4j+3 of
     # _int4_kernel's layout: inputs 4j + c in the low nibbles, G/2 + 4j + c in the high ones), ws [N, K/G] fp32; out,
-    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group). (Reads
-    # issued ahead, the next group's words in registers or the loop pipelined by Triton, lost 1-5 points on the
-    # H200: the program waits on each group's words, then computes with none in flight, and it is still faster.)
+    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group). Each
+    # program waits on a group's words, then computes: issuing the reads ahead (the next group's words held in
+    # registers, or the loop pipelined by Triton) was 1-5 points of HBM slower on the H200 (bench/RESULTS.md).
     W: tl.constexpr = G // 8
     pid_n, split = tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
