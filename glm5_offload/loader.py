@@ -22,6 +22,31 @@ from .rules import RuleFile, check_devices_present, place
 log = logging.getLogger("glm5_offload")
 
 
+def fuse_same_input(model, placement):
+    """Each module that names the projections reading its input (SAME_INPUT: the attention's q_a_proj,
+    kv_a_proj_with_mqa and indexer's wk) gets them as one call (fused_inputs) where one operator on one device
+    placed all of them on the module's own device and can fuse them (Operator.fuse); the last ones it lacks (a
+    shared layer's indexer) are left out."""
+    for name, module in model.named_modules():
+        names = getattr(module, "SAME_INPUT", ())
+        while names and not _has(module, names[-1]):
+            names = names[:-1]
+        slots = [placement.slots.get(f"{name}.{n}") for n in names]
+        own = placement.slots.get(name)
+        if (len(slots) < 2 or None in slots or own is None
+                or {(s.op, s.device) for s in slots} != {(slots[0].op, own.device)}):
+            continue
+        module.fused_inputs = slots[0].op.fuse([s.module for s in slots])
+
+
+def _has(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
 def _to_device_hook(device: torch.device):
     """A forward pre-hook that brings every tensor argument to the operator's device."""
     def hook(module, args, kwargs):
@@ -78,6 +103,7 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
         raise RuntimeError(f"no operator built {unbuilt[0]}")
     for op in dict.fromkeys(s.op for s in slots):
         op.link([s.module for s in slots if s.op is op])
+    fuse_same_input(model, placement)
     for slot in slots:  # a slot on its parent slot's device is called with its inputs there already
         if slot.parent is None or slot.parent.device != slot.device:
             slot.module.register_forward_pre_hook(_to_device_hook(torch.device(slot.device)), with_kwargs=True)

@@ -218,6 +218,75 @@ def test_quant_linear_module_and_its_cpu_path(monkeypatch):
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("fmt, group", [("fp8", 0), ("int4", 64)])
+def test_projections_of_one_input_in_one_gemv(monkeypatch, fmt, group):
+    """FusedRows: three projections of one input (fp8: 64, 80 and 32 rows, padded to 128-row scale blocks) give what
+    each gives alone, by one GEMV for 1-32 rows and by the parts for a prefill chunk and on a CPU without the
+    interpreter; each part's weight and scales become views into the one weight, equal to what they were."""
+    parts, before = [], []
+    for i, rows in enumerate((64, 80, 32)):
+        arrays = linear_ops.convert(random((rows, 256), 10 + i) * 0.05, fmt, group)
+        weight = torch.from_numpy(arrays["weight"])
+        weight = weight.view(torch.float8_e4m3fn) if fmt == "fp8" else weight
+        scales = torch.from_numpy(arrays["scales"]).to(DEVICE)
+        parts.append(linear_ops.QuantLinear(fmt, group, weight.to(DEVICE), scales, 256, torch.float32))
+        before.append((parts[-1].weight.clone(), parts[-1].scales.clone()))
+    fused = linear_ops.LinearOperator("linear.triton", None, "").fuse(parts)
+    assert fused.starts == ([0, 128, 256] if fmt == "fp8" else [0, 64, 144])
+    for m, (w, s) in zip(parts, before):
+        assert torch.equal(m.weight.view(torch.uint8), w.view(torch.uint8)) and torch.equal(m.scales, s)
+        assert m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+    launches = []
+    for kernel in ("fp8_linear", "int4_linear"):
+        real = getattr(linear_triton, kernel)
+        monkeypatch.setattr(linear_triton, kernel,
+                            lambda *a, real=real, **k: launches.append(a[1].shape) or real(*a, **k))
+    for rows in (1, 3, 40):
+        x = random((rows, 256), rows).to(DEVICE)
+        launches.clear()
+        outs = fused(x)
+        assert [o.shape for o in outs] == [(rows, 64), (rows, 80), (rows, 32)]
+        if rows <= linear_triton.DECODE_ROWS:
+            assert launches == [fused.weight.shape]
+        else:  # a prefill chunk: the parts' own paths
+            assert fused.weight.shape not in launches
+        for out, m in zip(outs, parts):
+            assert out.is_contiguous() and rel_err(out.cpu(), m(x).cpu()) < 1e-5
+    monkeypatch.setattr(linear_ops, "INTERPRET", False)
+    x = random((1, 256), 9)
+    if DEVICE == "cpu":
+        launches.clear()
+        assert all(rel_err(o, m(x)) < 1e-5 for o, m in zip(fused(x), parts)) and not launches
+    other = "int4" if fmt == "fp8" else "fp8"  # projections of two formats: no fused form
+    arrays = linear_ops.convert(random((32, 256), 3), other, 64 if other == "int4" else 0)
+    weight = torch.from_numpy(arrays["weight"])
+    weight = weight.view(torch.float8_e4m3fn) if other == "fp8" else weight
+    mixed = [parts[0], linear_ops.QuantLinear(other, 64 if other == "int4" else 0, weight.to(DEVICE),
+                                              torch.from_numpy(arrays["scales"]).to(DEVICE), 256, torch.float32)]
+    assert linear_ops.LinearOperator("linear.triton", None, "").fuse(mixed) is None
+
+
+def test_the_attentions_input_projections_run_as_one(tiny_dir):
+    """Loaded with glm5 (fp8 projections, linear.triton): each attention's q_a_proj and kv_a_proj_with_mqa, with the
+    indexer's wk on a full layer, are one call (loader.fuse_same_input); a prompt and two decode steps give the logits
+    of the same model calling them apart. The reference placement keeps them apart."""
+    model = load_model(tiny_dir(), device="cpu", rules=load_rules("glm5"), max_seq_len=64)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert [len(a.fused_inputs.parts) for a in attentions] == [2 if a.indexer is None else 3 for a in attentions]
+    assert {a.indexer is None for a in attentions} == {True, False}  # shared layers and full ones
+
+    def logits(fused):
+        for a, f in zip(attentions, fused):
+            a.fused_inputs = f
+        cache = new_cache(model, 64)
+        return torch.stack([model(torch.tensor(ids), cache)[-1] for ids in ([5, 17, 3, 99, 42], [8], [61])])
+
+    fused = [a.fused_inputs for a in attentions]
+    assert rel_err(logits(fused), logits([None] * len(fused))) < 1e-5
+    reference = load_model(tiny_dir(), device="cpu", rules=load_rules("glm5-reference"), max_seq_len=64)
+    assert all(layer.self_attn.fused_inputs is None for layer in reference.model.layers)
+
+
 def fast_linears(tmp_path, fmt: str, lm_head: bool = True) -> Path:
     """glm5-cpu with every projection (and lm_head) in `fmt` (linear.triton) and the embedding in host memory."""
     text = Path(load_rules("glm5-cpu").path).read_text()

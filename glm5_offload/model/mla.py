@@ -75,16 +75,16 @@ class Indexer(nn.Module):
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([apply_rope(rot, cos, sin, self.interleaved), rest], dim=-1)
 
-    def forward(self, x, qr, cos, sin, keys, positions, end: int):
+    def forward(self, x, qr, cos, sin, keys, positions, end: int, k=None):
         """x [S, hidden], qr [S, q_lora] of the tokens at positions [S] (int64, on x's device); keys: this
         layer's indexer-key cache rows (a tensor, or FP8Keys); end: scores cover keys 0..end-1 (>= the last
-        position + 1; keys past a query's position score -inf).
+        position + 1; keys past a query's position score -inf); k: wk(x) where the caller computed it already.
 
         Returns the selected token positions [S, min(topk, end)] (int64), -1 where fewer are valid.
         """
         S = x.shape[0]
         q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
-        self.write_keys(self.k_norm(self.wk(x)), cos, sin, keys, positions)
+        self.write_keys(self.k_norm(self.wk(x) if k is None else k), cos, sin, keys, positions)
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
         chunk = self.query_chunk(end)
         return torch.cat([self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
@@ -186,6 +186,18 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.v_dim, config.hidden_size)
         self.indexer = indexer(config) if config.indexer_types[layer] == "full" else None
         self.latent_layout: LatentLayout | None = None  # its operator sets it
+        # the projections of x in SAME_INPUT's order at once (a list of their outputs), where their operator can
+        # (Operator.fuse; set by the loader)
+        self.fused_inputs = None
+
+    SAME_INPUT = ("q_a_proj", "kv_a_proj_with_mqa", "indexer.wk")  # the projections that read the layer's input x
+
+    def input_projections(self, x):
+        """(q_a_proj(x), kv_a_proj_with_mqa(x), the indexer's wk(x) or None where it is left to the indexer)."""
+        if self.fused_inputs is None:
+            return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), None
+        q_a, kv_a, *wk = self.fused_inputs(x)
+        return q_a, kv_a, wk[0] if wk else None
 
     def rope(self, t, cos, sin):
         """The query's or key's rope part t [S, (H,) rope_dim] rotated (plain torch here)."""
@@ -210,7 +222,8 @@ class Attention(nn.Module):
 
     def _forward(self, x, cos, sin, cache, positions, end, shared_indices):
         S = x.shape[0]
-        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a, k = self.input_projections(x)
+        qr = self.q_a_layernorm(q_a)
         w = self.kv_b_weight(x)
         # a decode step's query (q_b_proj, rope, W_UK) on a GPU's side stream, beside the cache's write, the indexer
         # and the tiered fetch (each a chain of small kernels)
@@ -220,14 +233,14 @@ class Attention(nn.Module):
             if self.rope_dim:  # GLM-5.3-Flash's has none
                 q_pe = self.rope(q_pe, cos, sin)
             q_lat = self.absorb_query(q_nope, w)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.rope_dim:
             k_pe = self.rope(k_pe, cos, sin)
         cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
         if self.indexer is not None:
             with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
-                indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end)
+                indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end, k=k)
         else:
             indices = shared_indices
         o_lse = None  # a key slab of the cache after the first merges into the earlier ones' attention

@@ -114,13 +114,13 @@ class PooledIndexer(nn.Module):
         groups not complete at the query (plain torch here; a fast operator may override it)."""
         return indexer_scores(q, cache.groups[: end // self.kpool], weights, last_complete_group(positions, self.kpool))
 
-    def forward(self, x, qr, cos, sin, cache: PooledKeys, positions, end: int):
+    def forward(self, x, qr, cos, sin, cache: PooledKeys, positions, end: int, k=None):
         """x [S, hidden], qr [S, q_lora] of the tokens at positions [S]; cache: this layer's PooledKeys; end >= the
-        last position + 1 (cos, sin: unused, no rope). Returns the selected token positions [S, width] (int64, -1
-        where none)."""
+        last position + 1 (cos, sin: unused, no rope); k: wk(x) where the caller computed it already. Returns the
+        selected token positions [S, width] (int64, -1 where none)."""
         S = x.shape[0]
         q = self.wq_b(qr).view(S, self.n_heads, self.head_dim)
-        self.write_keys(self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate), cache, positions)
+        self.write_keys(self.k_norm(self.wk(x) if k is None else k), F.linear(x, self.index_kpool_compress_gate), cache, positions)
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5
         chunk = max(1, SCORE_BUDGET // (self.n_heads * max(1, end // self.kpool)))
         return torch.cat([

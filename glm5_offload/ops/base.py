@@ -136,3 +136,8 @@ class Operator:
 
     def link(self, modules: list[nn.Module]):
         """Called once with every module this operator built, in the model's order."""
+
+    def fuse(self, modules: list[nn.Module]):
+        """One callable computing several of this operator's modules that read the same input (a module's
+        SAME_INPUT), x -> their outputs as a list, or None where the operator has no such form (the default)."""
+        return None

@@ -87,6 +87,42 @@ class QuantLinear(nn.Module):
         return int_groups.dequantize(self.weight.numpy(), self.scales.numpy(), "int4", self.group).to(dtype)
 
 
+class FusedRows:
+    """QuantLinears of one format that read the same input, their rows in one weight (fp8: each one's rows padded to
+    whole 128-row scale blocks), each one's weight and scales then views into it (no second copy). A decode step
+    (up to DECODE_ROWS tokens) runs one GEMV over all the rows (a launch instead of several: bench/RESULTS.md);
+    a prefill chunk, or a CPU without Triton's interpreter, calls the parts. A plain object, not a module: the
+    parts stay the model's modules, their tensors counted once."""
+
+    def __init__(self, parts: list[QuantLinear]):
+        first = parts[0]
+        pad = linear_triton.BLOCK if first.fmt == "fp8" else 1
+        rows = [-(-m.out_features // pad) * pad for m in parts]
+        self.parts, self.starts = parts, [sum(rows[:i]) for i in range(len(parts))]
+        raw = first.weight.view(torch.uint8)  # (e4m3 as its bytes: zero fills and row copies of any GPU's torch)
+        weight = raw.new_zeros((sum(rows),) + raw.shape[1:])
+        self.scales = first.scales.new_zeros((sum(rows) // pad,) + first.scales.shape[1:])  # fp8: a row a block
+        for m, start in zip(parts, self.starts):
+            weight[start : start + m.out_features] = m.weight.view(torch.uint8)
+            self.scales[start // pad : start // pad + m.scales.shape[0]] = m.scales
+        self.weight = weight.view(first.weight.dtype)
+        for m, start in zip(parts, self.starts):
+            m.weight = self.weight[start : start + m.out_features]
+            m.scales = self.scales[start // pad : start // pad + m.scales.shape[0]]
+
+    def __call__(self, x) -> list[torch.Tensor]:
+        first = self.parts[0]
+        flat = x.reshape(-1, first.in_features)
+        if flat.shape[0] > linear_triton.DECODE_ROWS or not first._kernels():
+            return [m(x) for m in self.parts]
+        if first.fmt == "fp8":
+            y = linear_triton.fp8_linear(flat, self.weight, self.scales)
+        else:
+            y = linear_triton.int4_linear(flat, self.weight, self.scales, first.group)
+        return [y[:, start : start + m.out_features].contiguous().view(*x.shape[:-1], m.out_features)
+                for m, start in zip(self.parts, self.starts)]
+
+
 class LinearOperator(Operator):
     """A projection (or lm_head) in fp8, int4 or bf16 on its device."""
 
@@ -122,8 +158,8 @@ class LinearOperator(Operator):
     def weight_bytes(self, slot: Slot, dtype: torch.dtype) -> int:
         fmt, group = self._packing(slot)
         shape = (slot.module.out_features, slot.module.in_features)
-        if fmt == "fp8":
-            return fp8_blocks.nbytes(shape)
+        if fmt == "fp8":  # rows padded to whole 128-row scale blocks: as FusedRows holds them (kv_a's 576 -> 640)
+            return fp8_blocks.nbytes((-(-shape[0] // linear_triton.BLOCK) * linear_triton.BLOCK, shape[1]))
         if fmt == "int4":
             return int_groups.nbytes(shape[0] * shape[1], "int4", group)
         return super().weight_bytes(slot, dtype)
@@ -144,6 +180,14 @@ class LinearOperator(Operator):
                 prefill = max(prefill, ctx.prefill_chunk * (K + K // linear_triton.BLOCK * 4))
         return [Buffer(slot.device, "weights", self.weight_bytes(slot, ctx.dtype)),
                 Buffer(slot.device, "workspace", max(partials, prefill))]
+
+    def fuse(self, modules: list[nn.Module]) -> FusedRows | None:
+        """Fp8 or int4 projections of one input, format, group size, device and dtype: one GEMV a decode step."""
+        keys = {(type(m), getattr(m, "fmt", None), getattr(m, "group", None), getattr(m, "in_features", None),
+                 m.weight.device, getattr(m, "compute_dtype", None)) for m in modules}
+        if len(keys) != 1 or not isinstance(modules[0], QuantLinear):
+            return None
+        return FusedRows(modules)
 
     def build(self, slot: Slot, checkpoint, ctx: BuildContext) -> nn.Module:
         fmt, group = self._packing(slot)
