@@ -427,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _terminated(signum, frame):
+    # the first SIGTERM ends the command; a second (`timeout` forwards the one it got, a repeated kill) is ignored so
+    # that it cannot cut the cleanups short (serve saving its context) with a traceback
+    signal.signal(signum, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import time
 import urllib.request
 
 import pytest
@@ -198,7 +199,9 @@ def test_serve_keeps_its_context_across_restarts(tiny_dir, tmp_path):
 
 
 def test_serve_stopped_by_sigterm_keeps_its_context(tiny_dir, tmp_path):
-    """As systemd or docker stop a service: SIGTERM, after which the context is on disk (its cleanup ran)."""
+    """As systemd or docker stop a service: SIGTERM, after which the context is on disk (its cleanup ran); a second
+    SIGTERM right after it (`timeout` forwards the one it gets, as `pkill -f "glm5 serve"` sends one to both) does
+    not cut the cleanup short."""
     import signal
     import subprocess
     import sys
@@ -209,6 +212,8 @@ def test_serve_stopped_by_sigterm_keeps_its_context(tiny_dir, tmp_path):
     try:
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", proc.stdout.readline()).group(1))
         reply = post(port, {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 3, "temperature": 0})
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
