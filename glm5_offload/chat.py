@@ -25,6 +25,7 @@ HELP = """commands:
   /save FILE     write the conversation as JSON, and its cache to FILE.context
   /load FILE     read a conversation written by /save (and its cache: the next turn is not prefilled again)
   /stats         tokens and speeds so far
+  /exit, /quit   end the session (as Ctrl-D)
   Ctrl-C stops a reply and keeps the session; Ctrl-D exits."""
 
 
@@ -233,6 +234,10 @@ def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True
             try:
                 if command == "/help":
                     print(HELP, file=out)
+                elif command in ("/exit", "/quit"):
+                    return
+                elif command in ("/save", "/load") and not arg:
+                    print(f"{command} needs a FILE: {command} FILE", file=out)
                 elif command == "/reset":
                     conversation.reset()
                     print("conversation cleared", file=out)

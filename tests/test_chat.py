@@ -208,14 +208,18 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
 
 def test_piped_lines_that_are_not_utf8_or_beyond_the_context(tiny_dir):
     """Input from a pipe (no terminal, no readline), one session: a line that is not UTF-8 gets one error line; a turn
-    beyond --max-seq-len says so and that /reset starts a new conversation; after /reset the chat goes on."""
+    beyond --max-seq-len says so and that /reset starts a new conversation; after /reset the chat goes on; /save
+    without a file says what it needs; /quit ends the session (the line after it is not read as a turn)."""
     done = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "chat", "--model", str(tiny_dir()),
                            "--temperature", "0", "--max-new-tokens", "8", "--no-think", "--max-seq-len", "60"],
-                          input=b"caf\xe9 au lait\nHi\n" + b"the quick brown fox " * 12 + b"\n/reset\nHi\n/stats\n",
+                          input=b"caf\xe9 au lait\nHi\n" + b"the quick brown fox " * 12
+                          + b"\n/reset\nHi\n/stats\n/save\n/quit\nnever read\n",
                           capture_output=True, env=cli_env({}), timeout=300)
     out = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert "error: the line is not valid UTF-8 (at character 4); nothing was sent" in out
     assert re.search(r"error: the conversation would be \d+ tokens and the reply up to 8: more than the context of 60 "
                      r"tokens \(--max-seq-len\); /reset starts a new one", out), out
-    assert len(STATS.findall(out)) == 2 and "turns 2," in out  # the turn before /reset and the one after
+    # the turn before /reset and the one after; none for the line after /quit (it ended the session)
+    assert len(STATS.findall(out)) == 2 and "turns 2," in out
+    assert "/save needs a FILE: /save FILE" in out
