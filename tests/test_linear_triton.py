@@ -266,25 +266,31 @@ def test_projections_of_one_input_in_one_gemv(monkeypatch, fmt, group):
     assert linear_ops.LinearOperator("linear.triton", None, "").fuse(mixed) is None
 
 
-def test_the_attentions_input_projections_run_as_one(tiny_dir):
+def test_the_projections_of_one_input_run_as_one(tiny_dir):
     """Loaded with glm5 (fp8 projections, linear.triton): each attention's q_a_proj and kv_a_proj_with_mqa, with the
-    indexer's wk on a full layer, are one call (loader.fuse_same_input); a prompt and two decode steps give the logits
-    of the same model calling them apart. The reference placement keeps them apart."""
+    indexer's wk on a full layer, and each MLP's gate_proj and up_proj (the dense layer's, the shared experts') are
+    one call (loader.fuse_same_input); a prompt and two decode steps give the logits of the same model calling them
+    apart. The reference placement keeps them apart."""
+    from glm5_offload.model.blocks import MLP
+
     model = load_model(tiny_dir(), device="cpu", rules=load_rules("glm5"), max_seq_len=64)
     attentions = [layer.self_attn for layer in model.model.layers]
     assert [len(a.fused_inputs.parts) for a in attentions] == [2 if a.indexer is None else 3 for a in attentions]
     assert {a.indexer is None for a in attentions} == {True, False}  # shared layers and full ones
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert len(mlps) == len(attentions) and all(len(m.fused_inputs.parts) == 2 for m in mlps)
+    fusing = attentions + mlps
 
     def logits(fused):
-        for a, f in zip(attentions, fused):
-            a.fused_inputs = f
+        for m, f in zip(fusing, fused):
+            m.fused_inputs = f
         cache = new_cache(model, 64)
         return torch.stack([model(torch.tensor(ids), cache)[-1] for ids in ([5, 17, 3, 99, 42], [8], [61])])
 
-    fused = [a.fused_inputs for a in attentions]
+    fused = [m.fused_inputs for m in fusing]
     assert rel_err(logits(fused), logits([None] * len(fused))) < 1e-5
     reference = load_model(tiny_dir(), device="cpu", rules=load_rules("glm5-reference"), max_seq_len=64)
-    assert all(layer.self_attn.fused_inputs is None for layer in reference.model.layers)
+    assert not any(getattr(m, "fused_inputs", None) for m in reference.modules())
 
 
 def fast_linears(tmp_path, fmt: str, lm_head: bool = True) -> Path:

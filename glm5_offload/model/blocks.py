@@ -63,15 +63,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers, each routed expert and the shared expert."""
 
+    SAME_INPUT = ("gate_proj", "up_proj")  # the projections that read x
+
     def __init__(self, hidden: int, inner: int, limit: float | None = None):
         super().__init__()
         self.gate_proj = Linear(hidden, inner)
         self.up_proj = Linear(hidden, inner)
         self.down_proj = Linear(inner, hidden)
         self.limit = limit
+        self.fused_inputs = None  # gate_proj and up_proj of x at once, where their operator can (set by the loader)
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if self.fused_inputs is None else self.fused_inputs(x)
+        return self.down_proj(swiglu(gate, up, self.limit))
 
 
 class Router(nn.Module):
