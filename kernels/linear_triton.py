@@ -175,8 +175,12 @@ def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, 
                       STEP: tl.constexpr, EXACT: tl.constexpr):
     # One row of x [1, K] times int4 W: w as int32 words [N, K/8] (word j of a group = bytes 4j..4j+3 of
     # _int4_kernel's layout: inputs 4j + c in the low nibbles, G/2 + 4j + c in the high ones), ws [N, K/G] fp32; out,
-    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions (_int4_group). Each
-    # program waits on a group's words, then computes: issuing the reads ahead (the next group's words held in
+    # part, count as _fp8_kernel's. Bandwidth-bound only if each weight costs few instructions: a word's 8 nibbles
+    # come to bits 12-19 by 3 shifts (none, << 8, >> 8, a rotation by 16) and each becomes a float in one LOP3
+    # (_nibbles), then one FMA. A word's sum t starts at minus the offsets' products (row-independent, once per
+    # group), so t = sum (v - 8)/128 x; its rounding is relative to the offsets' terms (16 per hi nibble), about
+    # 2^-13 of the result: far below bf16's rounding of the output, too coarse for fp32 x, which takes EXACT.
+    # Each program waits on a group's words, then computes: issuing the reads ahead (the next group's words held in
     # registers, or the loop pipelined by Triton) was 1-5 points of HBM slower on the H200 (bench/RESULTS.md).
     W: tl.constexpr = G // 8
     pid_n, split = tl.program_id(1), tl.program_id(2)
@@ -196,37 +200,25 @@ def _int4_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, 
             # one scale a row, as a [BLOCK_N] vector (loaded as [BLOCK_N, W] broadcast along the words, it set the
             # layout of the words' load too: a row a thread, uncoalesced, 18% of the H200's bandwidth instead of 53%)
             scale = tl.load(ws_ptr + n * n_groups + g, mask=n_ok & g_ok, other=0.0)
-            acc = _int4_group(acc, w, scale, x_ptr, g, g_ok, magic_16, magic_1, G, EXACT)
+            x = x_ptr + g * G + 4 * j
+            lo0 = tl.load(x, mask=g_ok, other=0).to(tl.float32)
+            lo1 = tl.load(x + 1, mask=g_ok, other=0).to(tl.float32)
+            lo2 = tl.load(x + 2, mask=g_ok, other=0).to(tl.float32)
+            lo3 = tl.load(x + 3, mask=g_ok, other=0).to(tl.float32)
+            hi0 = tl.load(x + G // 2, mask=g_ok, other=0).to(tl.float32)
+            hi1 = tl.load(x + G // 2 + 1, mask=g_ok, other=0).to(tl.float32)
+            hi2 = tl.load(x + G // 2 + 2, mask=g_ok, other=0).to(tl.float32)
+            hi3 = tl.load(x + G // 2 + 3, mask=g_ok, other=0).to(tl.float32)
+            t = tl.zeros((BLOCK_N, W), tl.float32)
+            if not EXACT:
+                t -= (16.0625 * (hi0 + hi1 + hi2 + hi3) + 1.0625 * (lo0 + lo1 + lo2 + lo3))[None, :]
+            t = _nibbles(t, w, magic_16, magic_1, hi1, lo2, EXACT)  # nibbles 3, 4
+            t = _nibbles(t, w << 8, magic_16, magic_1, hi0, lo1, EXACT)  # 1, 2
+            t = _nibbles(t, w >> 8, magic_16, magic_1, hi2, lo3, EXACT)  # 5, 6
+            t = _nibbles(t, (w << 16) | (w >> 16), magic_16, magic_1, hi3, lo0, EXACT)  # 7, 0
+            acc += t * scale[:, None]
     y = tl.sum(acc, axis=1) * 128.0
     _write_tile(y[None, :], out_ptr, part_ptr, count_ptr, tl.arange(0, BLOCK_M), n, M, N)
-
-
-@triton.jit
-def _int4_group(acc, w, scale, x_ptr, g, g_ok, magic_16, magic_1, G: tl.constexpr, EXACT: tl.constexpr):
-    # acc [BLOCK_N, W] plus group g's products: w [BLOCK_N, W] its words (uint32), scale [BLOCK_N]. About 3.5
-    # instructions a weight: a word's 8 nibbles come to bits 12-19 by 3 shifts (none, << 8, >> 8, a rotation by 16)
-    # and each becomes a float in one LOP3 (_nibbles), then one FMA. A word's sum t starts at minus the offsets'
-    # products (row-independent, once per group), so t = sum (v - 8)/128 x; its rounding is relative to the offsets'
-    # terms (16 per hi nibble), about 2^-13 of the result: far below bf16's rounding of the output, too coarse for
-    # fp32 x, which takes EXACT.
-    W: tl.constexpr = G // 8
-    x = x_ptr + g * G + 4 * tl.arange(0, W)
-    lo0 = tl.load(x, mask=g_ok, other=0).to(tl.float32)
-    lo1 = tl.load(x + 1, mask=g_ok, other=0).to(tl.float32)
-    lo2 = tl.load(x + 2, mask=g_ok, other=0).to(tl.float32)
-    lo3 = tl.load(x + 3, mask=g_ok, other=0).to(tl.float32)
-    hi0 = tl.load(x + G // 2, mask=g_ok, other=0).to(tl.float32)
-    hi1 = tl.load(x + G // 2 + 1, mask=g_ok, other=0).to(tl.float32)
-    hi2 = tl.load(x + G // 2 + 2, mask=g_ok, other=0).to(tl.float32)
-    hi3 = tl.load(x + G // 2 + 3, mask=g_ok, other=0).to(tl.float32)
-    t = tl.zeros(w.shape, tl.float32)
-    if not EXACT:
-        t -= (16.0625 * (hi0 + hi1 + hi2 + hi3) + 1.0625 * (lo0 + lo1 + lo2 + lo3))[None, :]
-    t = _nibbles(t, w, magic_16, magic_1, hi1, lo2, EXACT)  # nibbles 3, 4
-    t = _nibbles(t, w << 8, magic_16, magic_1, hi0, lo1, EXACT)  # 1, 2
-    t = _nibbles(t, w >> 8, magic_16, magic_1, hi2, lo3, EXACT)  # 5, 6
-    t = _nibbles(t, (w << 16) | (w >> 16), magic_16, magic_1, hi3, lo0, EXACT)  # 7, 0
-    return acc + t * scale[:, None]
 
 
 @triton.jit
