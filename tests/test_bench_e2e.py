@@ -94,7 +94,7 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
 def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, capsys):
     """bench_context: each load's bound is the host's read measured in its own process after its decode, printed
     beside what its CPU experts read in the step and how much of their memory is in huge pages (the step's split
-    faked here: there are no CUDA graphs)."""
+    faked here: there are no CUDA graphs); glm5 bench's own read where it took one."""
     from glm5_offload.config import load_config
     from glm5_offload.formats.int_groups import nbytes
 
@@ -108,6 +108,12 @@ def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, c
     gb_s = nbytes(load_config(tiny_dir()).active_expert_weights, *fmt) / 0.01 / 1e6
     line = f"host read after the decode 40 GB/s; the experts in the step read {gb_s:.0f} GB/s, {gb_s / 40:.0%} of it"
     assert re.search(re.escape(line) + r" \(\d+% of their memory in huge pages\)\n", capsys.readouterr().out)
+    # glm5 bench's measurement (not --filled) has read the host already: that read is the load's, none taken again
+    monkeypatch.setattr(bench_e2e, "run_benchmark", lambda engine, context, new_tokens: {
+        "context": context, "graph_split_ms_per_token": None, "host_bound": {"host_read_gb_s": 55.0}})
+    monkeypatch.setattr(bench_e2e, "read_bandwidth_gb_s", lambda: pytest.fail("the host read measured twice"))
+    result, _ = bench_e2e.bench_context(tiny_dir(), load_rules("glm5"), 150, 2, 64)
+    assert result["read_gb_s"] == 55.0
 
 
 def test_repeats_keep_the_median_load_whole(capsys):
