@@ -14,6 +14,7 @@ import math
 import threading
 import time
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -221,16 +222,24 @@ class Handler(BaseHTTPRequestHandler):
 
     def _json(self, status: int, payload: dict):
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client has gone: nobody to answer
+            self.close_connection = True
 
     def _error(self, status: int, message: str, param=None, code=None):
         kind = "invalid_request_error" if status < 500 else "server_error"
         self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}})
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (an unknown method, a header line too long, ...) as JSON errors too."""
+        self.close_connection = True
+        self._error(code, message or HTTPStatus(code).phrase)
 
     def do_GET(self):
         if self.path == "/health":
@@ -261,11 +270,16 @@ class Handler(BaseHTTPRequestHandler):
                         f"Content-Length must be a number of bytes from 0 to {MAX_BODY}, got {self.headers.get('Content-Length')!r}")
             return
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
+            raw = self.rfile.read(length)
         except TimeoutError:
             self.close_connection = True
             self._error(408, f"the request body did not arrive within {TIMEOUT} s")
             return
+        if len(raw) < length:  # the client closed the connection before its body ended: nobody to answer
+            self.close_connection = True
+            return
+        try:
+            body = json.loads(raw or b"null")
         except (ValueError, UnicodeDecodeError, RecursionError):
             self._error(400, "the request body is not valid JSON")
             return

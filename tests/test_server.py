@@ -244,6 +244,37 @@ def test_a_body_that_never_comes_does_not_hold_a_thread(server):
         server.RequestHandlerClass.timeout = 30
 
 
+def test_a_client_gone_before_its_body_ends_gets_no_answer(server, client):
+    """Content-Length 100, 11 bytes, then the client closes its side: the server reads the end of the stream, answers
+    nothing (no "not valid JSON" for a body cut short) and closes; it serves the next request."""
+    with socket.create_connection(server.server_address, timeout=30) as sock:
+        sock.sendall(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"messages"')
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.recv(65536) == b""
+    assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_an_answer_to_a_client_gone_is_dropped_quietly(server):
+    """Writing a reply to a socket the client has closed (a broken pipe, a reset) ends that request only: no
+    traceback from deep inside http.server in the server's log."""
+    class Gone:
+        def write(self, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    handler = server.RequestHandlerClass.__new__(server.RequestHandlerClass)
+    handler.request_version, handler.command, handler.close_connection = "HTTP/1.1", "POST", False
+    handler.requestline, handler.client_address, handler.wfile = "POST / HTTP/1.1", ("127.0.0.1", 1), Gone()
+    handler._error(400, "the request body is not valid JSON")
+    assert handler.close_connection
+
+
+def test_requests_http_server_refuses_get_json_errors(server):
+    got, payload = raw_request(server, b"BREW /v1/chat/completions HTTP/1.1\r\nHost: x")
+    assert got == 501 and payload["error"]["message"] == "Unsupported method ('BREW')"
+    got, payload = raw_request(server, b"GET /health HTTP/1.1\r\nX: " + b"y" * 70000)
+    assert got == 431 and payload["error"]["message"] == "Line too long"
+
+
 @pytest.mark.parametrize("method", ["HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"])
 def test_other_methods_get_json_405(server, method):
     got, payload = raw_request(server, f"{method} /v1/chat/completions HTTP/1.1\r\nHost: x".encode())
