@@ -150,7 +150,8 @@ class _Fields:
             list: isinstance(value, list),
         }[kind]
         if not ok:
-            self.fail(field, f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+            wanted = "a finite number" if kind is float else kind.__name__
+            self.fail(field, f"must be {wanted}, got {type(value).__name__} {value!r}")
         return float(value) if kind is float else value
 
     def positive(self, field, default=..., kind=int):
@@ -243,14 +244,14 @@ def _rope(f: _Fields) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         p.fail("rope_type", f"must be 'default' or 'yarn', got {rope_type!r}")
-    theta = p.get("rope_theta", float)
+    theta = p.positive("rope_theta", kind=float)  # a base <= 0 puts NaN in every rotation
     if rope_type == "default":
         return RopeConfig(theta=theta, type="default")
     return RopeConfig(
         theta=theta,
         type="yarn",
-        factor=p.get("factor", float),
-        original_max_position_embeddings=p.get("original_max_position_embeddings", int),
+        factor=p.positive("factor", kind=float),
+        original_max_position_embeddings=p.positive("original_max_position_embeddings"),
         beta_fast=p.get("beta_fast", float, 32.0),
         beta_slow=p.get("beta_slow", float, 1.0),
         mscale=p.get("mscale", float, 0.0),

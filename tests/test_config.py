@@ -90,8 +90,9 @@ def test_ill_typed_field(tmp_path, field, value):
 
 
 @pytest.mark.parametrize("field, value, why", [
-    ("rms_norm_eps", -1, "must be > 0, got -1.0"), ("rms_norm_eps", float("nan"), "must be float, got float nan"),
-    ("routed_scaling_factor", float("inf"), "must be float"), ("first_k_dense_replace", -2, "must be >= 0, got -2"),
+    ("rms_norm_eps", -1, "must be > 0, got -1.0"),
+    ("rms_norm_eps", float("nan"), "must be a finite number, got float nan"),
+    ("routed_scaling_factor", float("inf"), "must be a finite number, got float inf"), ("first_k_dense_replace", -2, "must be >= 0, got -2"),
     ("n_shared_experts", -1, "must be >= 0, got -1"), ("num_nextn_predict_layers", -1, "must be >= 0, got -1")])
 def test_out_of_range_field(tmp_path, field, value, why):
     assert f"'{field}' {why}" in error_of(raw(**{field: value}), tmp_path)
@@ -100,6 +101,13 @@ def test_out_of_range_field(tmp_path, field, value, why):
 def test_bad_rope_and_quantization(tmp_path):
     assert "'rope_type'" in error_of(raw(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), tmp_path)
     assert "'factor'" in error_of(raw(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}), tmp_path)
+    # a base or a factor <= 0 would put NaN in every rotation, silently
+    assert "'rope_theta' must be > 0, got -5.0" in error_of(raw(rope_parameters={"rope_theta": -5}), tmp_path)
+    yarn = {"rope_type": "yarn", "rope_theta": 1.0, "factor": 0, "original_max_position_embeddings": 4096}
+    assert "'factor' must be > 0, got 0.0" in error_of(raw(rope_parameters=yarn), tmp_path)
+    old_layout = raw(rope_parameters=None)
+    old_layout.update(rope_theta=0)
+    assert "'rope_theta' must be > 0, got 0.0" in error_of(old_layout, tmp_path)
     bad_q = {"quant_method": "fp8", "weight_block_size": [128]}
     assert "'weight_block_size'" in error_of(raw(quantization_config=bad_q), tmp_path)
     assert "'quant_method'" in error_of(raw(quantization_config={"quant_method": "awq"}), tmp_path)
