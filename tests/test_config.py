@@ -92,7 +92,8 @@ def test_ill_typed_field(tmp_path, field, value):
 @pytest.mark.parametrize("field, value, why", [
     ("rms_norm_eps", -1, "must be > 0, got -1.0"),
     ("rms_norm_eps", float("nan"), "must be a finite number, got float nan"),
-    ("routed_scaling_factor", float("inf"), "must be a finite number, got float inf"), ("first_k_dense_replace", -2, "must be >= 0, got -2"),
+    ("routed_scaling_factor", float("inf"), "must be a finite number, got float inf"),
+    ("first_k_dense_replace", -2, "must be >= 0, got -2"),
     ("n_shared_experts", -1, "must be >= 0, got -1"), ("num_nextn_predict_layers", -1, "must be >= 0, got -1")])
 def test_out_of_range_field(tmp_path, field, value, why):
     assert f"'{field}' {why}" in error_of(raw(**{field: value}), tmp_path)
