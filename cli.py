@@ -93,6 +93,7 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
     model's load takes minutes)."""
     import torch
 
+    from glm5_offload.chat import apply_template
     from glm5_offload.config import load_config
     from glm5_offload.loader import load_model
     from glm5_offload.runtime.engine import Engine, SamplingParams
@@ -120,6 +121,11 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
     if chat and tokenizer.chat_template is None:
         raise Glm5Error(f"{model_dir}: its tokenizer has no chat template (chat_template in tokenizer_config.json, or "
                         "chat_template.jinja), which chat and serve need; generate --prompt takes raw text")
+    if chat:  # a template that cannot render a first turn, said before the weights load
+        try:
+            apply_template(tokenizer, [{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+        except Glm5Error as e:
+            raise Glm5Error(f"{model_dir}: {e}") from None
     if check_prompt is not None:
         check_prompt(config, tokenizer, max_seq_len)
     dtype = getattr(torch, args.dtype) if args.dtype else None

@@ -37,6 +37,16 @@ class Turn:
     interrupted: bool = False
 
 
+def apply_template(tokenizer, messages: list[dict], **kwargs) -> str:
+    """The model's chat template (through transformers) applied to messages, as text. One that fails (broken, or
+    refusing these messages by its own raise_exception) is a Glm5Error of one line."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # jinja2's TemplateError, and whatever the template's own code raises
+        why = (str(e).splitlines() or [""])[0]
+        raise Glm5Error(f"the chat template failed: {type(e).__name__}: {why}") from None
+
+
 def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
     """Generated text -> (reasoning, answer): with thinking on, the reasoning runs up to </think>."""
     if not thinking:
@@ -63,9 +73,8 @@ class Conversation:
             self.messages = [{"role": "system", "content": self.system}]
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            enable_thinking=self.thinking, reasoning_effort=self.reasoning_effort)
+        return apply_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                              enable_thinking=self.thinking, reasoning_effort=self.reasoning_effort)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

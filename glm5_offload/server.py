@@ -18,7 +18,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .chat import ROLES, ReplyStream, split_reasoning
+from .chat import ROLES, ReplyStream, apply_template, split_reasoning
 from .errors import Glm5Error
 from .runtime.engine import Engine, SamplingParams
 from .runtime.saved_context import load_context, save_context
@@ -156,8 +156,7 @@ class Service:
             save_context(self.engine, self.context_file)
 
     def prompt(self, messages, thinking: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  enable_thinking=thinking)
+        text = apply_template(self.tokenizer, messages, add_generation_prompt=True, enable_thinking=thinking)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def complete(self, body, emit=None) -> dict:

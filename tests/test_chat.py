@@ -206,6 +206,22 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
     assert term.quit() == 0
 
 
+def test_a_turn_the_chat_template_refuses_keeps_the_session(tiny_dir, tmp_path):
+    """A template's own raise_exception for one turn's messages: one error line, the conversation as it was."""
+    import shutil
+
+    path = shutil.copytree(tiny_dir(), tmp_path / "ckpt")
+    template = path / "chat_template.jinja"
+    template.write_text("{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom') }}"
+                        "{% endif %}{% endfor %}" + template.read_text())
+    done = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "chat", "--model", str(path), "--temperature",
+                           "0", "--max-new-tokens", "3", "--no-think"], input=b"boom\nHi\n/stats\n/quit\n",
+                          capture_output=True, env=cli_env({}), timeout=300)
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert "error: the chat template failed: TemplateError: no boom" in out and "turns 1," in out
+
+
 def test_piped_lines_that_are_not_utf8_or_beyond_the_context(tiny_dir):
     """Input from a pipe (no terminal, no readline), one session: a line that is not UTF-8 gets one error line; a turn
     beyond --max-seq-len says so and that /reset starts a new conversation; after /reset the chat goes on; /save

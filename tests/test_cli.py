@@ -377,6 +377,17 @@ def test_a_model_without_a_chat_template_is_refused_at_start(tiny_dir, tmp_path,
     assert "has no chat template" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_broken_chat_template_is_refused_at_start(tiny_dir, tmp_path, command):
+    """(It was a traceback from jinja2 in chat, and in serve a dropped connection for every request.)"""
+    path = broken_copy(tiny_dir, tmp_path, drop_template=True)
+    (path / "chat_template.jinja").write_text("{% for m in %}{{ m.content }}{% endfor %}")
+    proc = glm5(command, "--model", path, *(["--port", 0] if command == "serve" else []), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"glm5: error: {path}: the chat template failed: TemplateSyntaxError: ")
+
+
 def test_a_rule_that_matches_nothing_is_warned_when_loading(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text("- default: {device: cpu}\n- match: {name: 'no_such_module'}\n  replace: {device: cpu}\n")

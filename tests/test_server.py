@@ -268,6 +268,23 @@ def test_an_answer_to_a_client_gone_is_dropped_quietly(server):
     assert handler.close_connection
 
 
+def test_messages_the_chat_template_refuses_get_a_json_error(server, client):
+    """A template's own raise_exception for some messages: a 400 with its words, and the next request is served."""
+    tokenizer = server.RequestHandlerClass.service.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom') }}"
+                               "{% endif %}{% endfor %}" + template)
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-glm5", messages=[{"role": "user", "content": "boom"}],
+                                           max_tokens=2)
+        assert e.value.body["message"] == "the chat template failed: TemplateError: no boom"
+        reply = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2)
+        assert reply.usage.completion_tokens == 2
+    finally:
+        tokenizer.chat_template = template
+
+
 def test_requests_http_server_refuses_get_json_errors(server):
     got, payload = raw_request(server, b"BREW /v1/chat/completions HTTP/1.1\r\nHost: x")
     assert got == 501 and payload["error"]["message"] == "Unsupported method ('BREW')"
