@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -112,6 +113,10 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
                "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
     if args.cpu_threads is not None:
         import numba
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if args.cpu_threads > cores:  # torch would start that many threads on fewer cores
+            raise Glm5Error(f"--cpu-threads {args.cpu_threads} is more than the {cores} cores this process may use")
 
         torch.set_num_threads(args.cpu_threads)
         numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))
