@@ -152,6 +152,19 @@ def shipped_rule_names() -> list[str]:
     return sorted(p.name for p in shipped.iterdir() if p.name.endswith(".yaml"))
 
 
+class _NoAliases(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing aliases (*name): a rule file is a few lines, and aliases of aliases make a
+    small file a structure of billions of values (the "billion laughs"), which an error message's repr then writes
+    out."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError(problem=f"an alias (*{event.anchor}): rule files take none, write the value "
+                                       "out", problem_mark=event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def load_rules(path: str | Path) -> RuleFile:
     path = resolve_rules_path(path)
     try:
@@ -159,7 +172,7 @@ def load_rules(path: str | Path) -> RuleFile:
     except UnicodeDecodeError as e:
         raise Glm5Error(f"{path}: not UTF-8 text (byte {e.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_NoAliases)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = f":{mark.line + 1}" if mark else ""

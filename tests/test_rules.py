@@ -246,6 +246,11 @@ BAD = {
     "no_match": ("- replace: {device: cpu}\n", "rule 1: a rule needs 'match' and 'replace'"),
     "unknown_family": ("- default: {device: cpu, models: [glm6]}\n- match: {class: Experts}\n  replace: {device: cpu}\n",
                        "rule 1 (default): models must list model families among glm_moe_dsa, deepseek_v32, glm5_next, got ['glm6']"),
+    # aliases of aliases: a few lines that build a billion values, which an error message's repr wrote out
+    "billion_laughs": ("- match: {class: Attention}\n  replace:\n    op: attention.dsa_triton\n    kwargs:\n"
+                       "      hot_budget: [&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol], "
+                       + ", ".join(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)) + "]\n",
+                       "rules.yaml:5: malformed YAML (an alias (*a0): rule files take none, write the value out)"),
     "families_not_a_list": ("- default: {device: cpu, models: glm_moe_dsa}\n- match: {class: Experts}\n  replace: {device: cpu}\n",
                             "rule 1 (default): models must list model families"),
 }
