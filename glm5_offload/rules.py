@@ -9,7 +9,7 @@
 Modules are visited parent first; the first rule that matches a module places it. A placed module's
 children not matched themselves inherit its device, with their default operator. A module that
 neither a rule nor an ancestor's rule matched gets its default operator on the default device.
-Rule files are data: yaml.safe_load, and only registered operators can be named.
+Rule files are data: read by yaml's safe loader (without aliases), and only registered operators can be named.
 """
 
 import re
