@@ -133,7 +133,7 @@ class Conversation:
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise Glm5Error(f"{path}: cannot read a saved conversation ({e})") from None
         messages = data.get("messages") if isinstance(data, dict) else None
         if not isinstance(messages, list) or not all(

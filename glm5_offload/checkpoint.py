@@ -68,7 +68,7 @@ def shard_files(model_dir: Path) -> dict[Path, set[str] | None]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, UnicodeDecodeError):
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError, UnicodeDecodeError, RecursionError):
             raise Glm5Error(f"{index}: not a safetensors index (no 'weight_map' object)") from None
         shards: dict[Path, set[str]] = {}
         for name, file in weight_map.items():
@@ -103,7 +103,8 @@ def check_shard(path: Path) -> tuple[int, dict]:
             for v in tensors.values():
                 if v["dtype"] not in HEADER_DTYPES or not isinstance(v["shape"], list):
                     raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError,
+                RecursionError):  # (JSON nested past Python's stack)
             raise Glm5Error(f"{path}: corrupt safetensors header") from None
     if 8 + n + end != size:
         raise Glm5Error(f"{path}: truncated or corrupt safetensors file (data needs {8 + n + end} bytes, file has {size})")

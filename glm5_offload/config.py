@@ -403,7 +403,7 @@ def preset_names() -> list[str]:
 def _json_object(path: Path) -> dict:
     try:
         raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # (nested past Python's stack)
         raise Glm5Error(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise Glm5Error(f"{path}: must hold a JSON object, got {type(raw).__name__}")

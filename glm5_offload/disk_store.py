@@ -43,7 +43,7 @@ class DiskStore:
     def manifest(self) -> dict:
         try:
             manifest = json.loads((self.folder / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return {}
         same = (isinstance(manifest, dict) and manifest.get("fingerprint") == fingerprint(self.source)
                 and manifest.get("version") == self.version and isinstance(manifest.get("files"), dict))

@@ -186,6 +186,7 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
     and the conversation goes on."""
     (tmp_path / "latin1.json").write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}')
     (tmp_path / "role.json").write_text(json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}))
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)  # nested past Python's stack
     (tmp_path / "surrogate.json").write_text('{"messages": [{"role": "user", "content": "hi"}, '
                                              '{"role": "assistant", "content": "x \\ud800"}]}')
     term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3, "--no-think")
@@ -195,6 +196,7 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
     for command, error in ((f"/save {tmp_path}/no/such/dir/x.json", r"cannot write the conversation"),
                            (f"/save {tmp_path}", r"cannot write the conversation \(Is a directory\)"),
                            (f"/load {tmp_path}/latin1.json", r"cannot read a saved conversation"),
+                           (f"/load {tmp_path}/deep.json", r"cannot read a saved conversation \(maximum recursion"),
                            (f"/load {tmp_path}/role.json", r"role one of system, user, assistant"),
                            (f"/load {tmp_path}/surrogate.json", r"messages\[1\]\.content is not valid Unicode")):
         term.expect(r"\n> ")

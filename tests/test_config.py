@@ -118,6 +118,9 @@ def test_not_json_and_not_found(tmp_path):
     (tmp_path / "config.json").write_text("{nope")
     with pytest.raises(Glm5Error, match="not valid JSON"):
         load_config(tmp_path)
+    (tmp_path / "config.json").write_text("[" * 100000 + "]" * 100000)  # nested past Python's stack
+    with pytest.raises(Glm5Error, match="config.json: not valid JSON .maximum recursion depth"):
+        load_config(tmp_path)
     with pytest.raises(Glm5Error, match="no such config file"):
         load_config(tmp_path / "missing")
 

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -171,6 +172,15 @@ def test_corrupt_shard_header(ckpt):
     (ckpt / FIRST_SHARD).write_bytes(bytes(data))
     message = load_error(ckpt)
     assert FIRST_SHARD in message and "corrupt" in message
+
+
+def test_a_shard_header_nested_past_pythons_stack(ckpt):
+    """A header of 100000 nested objects (its own size, consistent): one line, not a RecursionError."""
+    nested = ('{"a":' * 100000 + "1" + "}" * 100000).encode()
+    (ckpt / FIRST_SHARD).write_bytes(struct.pack("<Q", len(nested)) + nested)
+    assert load_error(ckpt).endswith(f"{FIRST_SHARD}: corrupt safetensors header")
+    (ckpt / "model.safetensors.index.json").write_text("[" * 100000 + "]" * 100000)
+    assert "not a safetensors index" in load_error(ckpt)
 
 
 def test_missing_shard_file(ckpt):

@@ -132,7 +132,7 @@ def load_context(engine: Engine, path: str | Path) -> int:
         raise Glm5Error(f"{path}: a context of format version {meta.get('version')}, this engine reads {VERSION}")
     try:
         saved, crc, n = json.loads(meta["identity"]), json.loads(meta["crc32"]), int(meta["tokens"])
-    except (KeyError, ValueError, TypeError):
+    except (KeyError, ValueError, TypeError, RecursionError):
         raise Glm5Error(f"{path}: corrupt context metadata") from None
     mine = identity(engine)
     for key, what in (("config_sha256", "another model's config.json"), ("weights", "other weights"),
