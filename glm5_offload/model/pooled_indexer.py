@@ -120,7 +120,8 @@ class PooledIndexer(nn.Module):
         selected token positions [S, width] (int64, -1 where none)."""
         S = x.shape[0]
         q = self.wq_b(qr).view(S, self.n_heads, self.head_dim)
-        self.write_keys(self.k_norm(self.wk(x) if k is None else k), F.linear(x, self.index_kpool_compress_gate), cache, positions)
+        self.write_keys(self.k_norm(self.wk(x) if k is None else k), F.linear(x, self.index_kpool_compress_gate), cache,
+                        positions)
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5
         chunk = max(1, SCORE_BUDGET // (self.n_heads * max(1, end // self.kpool)))
         return torch.cat([
