@@ -183,6 +183,18 @@ def test_a_shard_header_nested_past_pythons_stack(ckpt):
     assert "not a safetensors index" in load_error(ckpt)
 
 
+@pytest.mark.parametrize("text", ["{nope", "[" * 100000 + "]" * 100000], ids=["not_json", "nested"])
+def test_a_store_manifest_that_does_not_parse_is_an_empty_one(tmp_path, text):
+    """A converted-weights store whose manifest.json is not JSON, or nested past Python's stack: no entry (they
+    are made again), not an error."""
+    from glm5_offload.disk_store import DiskStore
+
+    store = DiskStore(tmp_path / "stores", tmp_path, {"format": "int4"}, 1)
+    store.folder.mkdir(parents=True)
+    (store.folder / "manifest.json").write_text(text)
+    assert store.manifest() == {}
+
+
 def test_missing_shard_file(ckpt):
     (ckpt / FIRST_SHARD).unlink()
     message = load_error(ckpt)

@@ -141,6 +141,11 @@ def test_bad_files_are_refused_and_the_engine_keeps_its_state(tiny_dir, tmp_path
     fp8.generate(PROMPT, 2)
     save_context(fp8, tmp_path / "fp8.safetensors")
     refused((tmp_path / "fp8.safetensors").read_bytes(), "saved with another cache form")
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["identity"] = "[" * 100000 + "]" * 100000  # nested past Python's stack
+    nested = json.dumps(header).encode()
+    refused(len(nested).to_bytes(8, "little") + nested + data[8 + n :], "corrupt context metadata")
     assert load_context(target, good) == len(PROMPT) + 3  # and a good one still loads
 
 
