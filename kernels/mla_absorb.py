@@ -12,6 +12,7 @@ step. These kernels read W's bytes once, dequantise a tile in registers exactly 
 the compute dtype), and multiply in fp32: the reference's values, up to the order of the fp32 sums.
 One program: one head and a block of 128 output columns (q_lat) or of output rows (out), every query row at once. Up to
 BROADCAST_ROWS query rows multiply and sum in registers; more take fp32 dots (padded to 16 rows, wasted on one).
+ops/dsa_triton calls them for decode steps (up to linear_triton.DECODE_ROWS query rows, as the projections' GEMV).
 """
 
 import torch
@@ -19,7 +20,6 @@ import triton
 import triton.language as tl
 
 from .fp8_bits import e4m3_to_f16, round_to_bf16
-from .linear_triton import DECODE_ROWS  # up to this many query rows (decode): these kernels, as the projections' GEMV
 
 BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (32 x 128 products at most)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
-from ..kernels import INTERPRET, dsa_triton, mla_absorb, rope_triton, topk_triton
+from ..kernels import INTERPRET, dsa_triton, linear_triton, mla_absorb, rope_triton, topk_triton
 from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, RMSNorm, indexer_scores
 from ..model.pooled_indexer import last_complete_group
 from .linear_triton import QuantLinear
@@ -88,7 +88,7 @@ class TritonAttention(Attention):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it
         dequantises to) as stored, for mla_absorb's kernels. Else (prefill chunks, int4) the reference's dense W."""
         kv_b = self.kv_b_proj
-        if x.shape[0] > mla_absorb.DECODE_ROWS or kv_b.weight.device != x.device:
+        if x.shape[0] > linear_triton.DECODE_ROWS or kv_b.weight.device != x.device:
             return super().kv_b_weight(x)
         if isinstance(kv_b, QuantLinear):
             return (kv_b.weight, kv_b.scales, kv_b.compute_dtype) if kv_b.fmt == "fp8" else super().kv_b_weight(x)
