@@ -14,6 +14,7 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -101,13 +102,30 @@ def check_shard(path: Path) -> tuple[int, dict]:
             tensors = {k: v for k, v in header.items() if k != "__metadata__"}
             end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
             for v in tensors.values():
-                if v["dtype"] not in HEADER_DTYPES or not isinstance(v["shape"], list):
+                if (v["dtype"] not in HEADER_DTYPES or not isinstance(v["shape"], list)
+                        or not all(isinstance(o, int) for o in v["data_offsets"]) or len(v["data_offsets"]) != 2):
                     raise TypeError
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError,
                 RecursionError):  # (JSON nested past Python's stack)
             raise Glm5Error(f"{path}: corrupt safetensors header") from None
     if 8 + n + end != size:
         raise Glm5Error(f"{path}: truncated or corrupt safetensors file (data needs {8 + n + end} bytes, file has {size})")
+    # each tensor's bytes as its dtype and shape say, the tensors one after another (as safetensors checks when the
+    # file is opened, but naming the tensor: its message names none, and comes from whichever module read first)
+    at, previous = 0, None
+    for name, v in sorted(tensors.items(), key=lambda item: item[1]["data_offsets"]):
+        start, stop = v["data_offsets"]
+        if start != at:
+            raise Glm5Error(f"{path}: corrupt safetensors header (tensor {name}'s data starts at {start}, "
+                            + (f"{previous}'s ends at {at})" if previous else "the first must start at 0)"))
+        at, previous = stop, name
+        shape, itemsize = v["shape"], HEADER_DTYPES[v["dtype"]].itemsize
+        if not all(isinstance(d, int) and d >= 0 for d in shape) or not 0 <= start <= stop:
+            raise Glm5Error(f"{path}: corrupt safetensors header (tensor {name}: shape {shape}, data_offsets "
+                            f"{v['data_offsets']})")
+        if math.prod(shape) * itemsize != stop - start:
+            raise Glm5Error(f"{path}: corrupt safetensors header (tensor {name}: {v['dtype']} {shape} is "
+                            f"{math.prod(shape) * itemsize} bytes, its data_offsets hold {stop - start})")
     return n, header
 
 

@@ -174,6 +174,38 @@ def test_corrupt_shard_header(ckpt):
     assert FIRST_SHARD in message and "corrupt" in message
 
 
+def rewrite_header(path, edit):
+    """The shard at path with edit(header) applied to its header (the data as it was)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+
+
+def test_a_tensor_whose_bytes_disagree_with_its_header_is_named(ckpt):
+    """A header whose dtype, shape or data offsets do not fit its tensor's bytes: one line naming the shard and the
+    tensor, before any module reads it (safetensors' own message names neither, and came under another module's
+    rule)."""
+    shard = ckpt / FIRST_SHARD
+    original = shard.read_bytes()
+    (n,) = struct.unpack("<Q", original[:8])
+    name, info = next((k, v) for k, v in json.loads(original[8 : 8 + n]).items()
+                      if k != "__metadata__" and v["dtype"] in ("F32", "BF16") and v["data_offsets"][0] > 0)
+    halved = {"F32": "BF16", "BF16": "U8"}[info["dtype"]]  # the same shape, half the bytes the offsets hold
+    cases = [(lambda h: h[name].update(dtype=halved), f"{halved} {info['shape']} is"),
+             (lambda h: h[name].update(data_offsets=[0, info["data_offsets"][1]]), f"{name}'s data starts at 0"),
+             (lambda h: h[name].update(shape=[-1] + info["shape"][1:]), f"tensor {name}: shape [-1"),
+             (lambda h: h[name].update(data_offsets=[str(o) for o in info["data_offsets"]]), "corrupt safetensors header")]
+    for edit, words in cases:
+        shard.write_bytes(original)
+        rewrite_header(shard, edit)
+        message = load_error(ckpt)
+        assert FIRST_SHARD in message and words in message, (words, message)
+        assert "rule" not in message
+
+
 def test_a_shard_header_nested_past_pythons_stack(ckpt):
     """A header of 100000 nested objects (its own size, consistent): one line, not a RecursionError."""
     nested = ('{"a":' * 100000 + "1" + "}" * 100000).encode()
