@@ -197,7 +197,8 @@ def test_a_tensor_whose_bytes_disagree_with_its_header_is_named(ckpt):
     cases = [(lambda h: h[name].update(dtype=halved), f"{halved} {info['shape']} is"),
              (lambda h: h[name].update(data_offsets=[0, info["data_offsets"][1]]), f"{name}'s data starts at 0"),
              (lambda h: h[name].update(shape=[-1] + info["shape"][1:]), f"tensor {name}: shape [-1"),
-             (lambda h: h[name].update(data_offsets=[str(o) for o in info["data_offsets"]]), "corrupt safetensors header")]
+             (lambda h: h[name].update(data_offsets=[str(o) for o in info["data_offsets"]]),
+              "corrupt safetensors header")]
     for edit, words in cases:
         shard.write_bytes(original)
         rewrite_header(shard, edit)
