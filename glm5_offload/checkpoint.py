@@ -100,7 +100,6 @@ def check_shard(path: Path) -> tuple[int, dict]:
         try:
             header = json.loads(f.read(n))
             tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-            end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
             for v in tensors.values():
                 if (v["dtype"] not in HEADER_DTYPES or not isinstance(v["shape"], list)
                         or not all(isinstance(o, int) for o in v["data_offsets"]) or len(v["data_offsets"]) != 2):
@@ -108,8 +107,6 @@ def check_shard(path: Path) -> tuple[int, dict]:
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError,
                 RecursionError):  # (JSON nested past Python's stack)
             raise Glm5Error(f"{path}: corrupt safetensors header") from None
-    if 8 + n + end != size:
-        raise Glm5Error(f"{path}: truncated or corrupt safetensors file (data needs {8 + n + end} bytes, file has {size})")
     # each tensor's bytes as its dtype and shape say, the tensors one after another (as safetensors checks when the
     # file is opened, but naming the tensor: its message names none, and comes from whichever module read first)
     at, previous = 0, None
@@ -126,6 +123,9 @@ def check_shard(path: Path) -> tuple[int, dict]:
         if math.prod(shape) * itemsize != stop - start:
             raise Glm5Error(f"{path}: corrupt safetensors header (tensor {name}: {v['dtype']} {shape} is "
                             f"{math.prod(shape) * itemsize} bytes, its data_offsets hold {stop - start})")
+    if 8 + n + at != size:  # at: where the last tensor's data ends
+        raise Glm5Error(f"{path}: truncated or corrupt safetensors file (data needs {8 + n + at} bytes, file has "
+                        f"{size})")
     return n, header
 
 
