@@ -198,7 +198,9 @@ def test_a_tensor_whose_bytes_disagree_with_its_header_is_named(ckpt):
              (lambda h: h[name].update(data_offsets=[0, info["data_offsets"][1]]), f"{name}'s data starts at 0"),
              (lambda h: h[name].update(shape=[-1] + info["shape"][1:]), f"tensor {name}: shape [-1"),
              (lambda h: h[name].update(data_offsets=[str(o) for o in info["data_offsets"]]),
-              "corrupt safetensors header")]
+              "corrupt safetensors header"),
+             (lambda h: [v.update(data_offsets=[o + 8 for o in v["data_offsets"]]) for k, v in h.items()
+                         if k != "__metadata__"], "data starts at 8, the first must start at 0")]
     for edit, words in cases:
         shard.write_bytes(original)
         rewrite_header(shard, edit)
