@@ -243,9 +243,10 @@ def _write_tile(acc, out_ptr, part_ptr, count_ptr, m, n, M, N):
 
 
 @triton.jit
-def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, FP8_MAX: tl.constexpr,
-                                 FP8_HW: tl.constexpr):
-    # x [M, K] -> out [M, K] e4m3 bytes and scales [KB, M] fp32 (column-major [M, KB], as cuBLAS takes them):
+def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, rows, BLOCK_M: tl.constexpr,
+                                 FP8_MAX: tl.constexpr, FP8_HW: tl.constexpr):
+    # x [M, K] -> out [rows, K] e4m3 bytes and scales [KB, rows] fp32 (column-major [rows, KB], as cuBLAS takes them;
+    # rows M and up: x's zeros):
     # one program: BLOCK_M rows x one 128-block of inputs (fp8_blocks.quantize_activations). Bit-exact with torch's
     # x / scale cast to e4m3. FP8_HW (a GPU with FP8 conversions): the GPU's conversion (two values an instruction,
     # saturating, to nearest even, as torch's cast), and the division by one reciprocal a row and two fused
@@ -255,9 +256,9 @@ def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.co
     pid_m, kb = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k = kb * 128 + tl.arange(0, 128)
-    ok = (m < M)[:, None] & (k < K)[None, :]
+    ok = (m < rows)[:, None] & (k < K)[None, :]
     offsets = m.to(tl.int64)[:, None] * K + k[None, :]
-    x = tl.load(x_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=ok & (m < M)[:, None], other=0.0).to(tl.float32)
     scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FP8_MAX)  # IEEE division, as torch's
     if FP8_HW:
         r = tl.div_rn(1.0, scale)[:, None]
@@ -268,7 +269,7 @@ def _quantize_activations_kernel(x_ptr, out_ptr, scale_ptr, M, K, BLOCK_M: tl.co
     else:
         x8 = f32_to_e4m3(tl.div_rn(x, scale[:, None]))
     tl.store(out_ptr + offsets, x8, mask=ok)
-    tl.store(scale_ptr + kb * M + m, scale, mask=m < M)
+    tl.store(scale_ptr + kb * rows + m, scale, mask=m < rows)
 
 
 @triton.jit
@@ -357,16 +358,17 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, gro
                    G=group, STEP=INT4_DECODE_TILE["step"] if decode else 1)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (x8 [M, K] float8_e4m3fn, scales [M, cdiv(K, 128)] fp32, column-major): fp8_blocks'
-    quantize_activations in one kernel."""
+def quantize_activations(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x8 [rows, K] float8_e4m3fn, scales [rows, cdiv(K, 128)] fp32, column-major): fp8_blocks'
+    quantize_activations in one kernel; rows (default M): past M, zero rows quantised."""
     M, K = x.shape
-    out = torch.empty(M, K, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(triton.cdiv(K, BLOCK), M, dtype=torch.float32, device=x.device)
+    rows = rows or M
+    out = torch.empty(rows, K, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(triton.cdiv(K, BLOCK), rows, dtype=torch.float32, device=x.device)
     # 32 rows a program: 1.0-1.5x faster than 16 on 4096 x 2048-16384 (H200, RESULTS.md 2026-12-04, session 27)
-    _quantize_activations_kernel[(triton.cdiv(M, 32), triton.cdiv(K, BLOCK))](x.contiguous(), out, scales, M, K,
-                                                                              BLOCK_M=32, FP8_MAX=FP8_MAX,
-                                                                              FP8_HW=has_fp8_dot(x.device))
+    _quantize_activations_kernel[(triton.cdiv(rows, 32), triton.cdiv(K, BLOCK))](x.contiguous(), out, scales, M, K,
+                                                                                 rows, BLOCK_M=32, FP8_MAX=FP8_MAX,
+                                                                                 FP8_HW=has_fp8_dot(x.device))
     return out.view(torch.float8_e4m3fn), scales.t()
 
 
@@ -398,10 +400,14 @@ def blockwise_shape(N: int, K: int) -> bool:
 def fp8_blockwise_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A prefill's x [M, K] (bf16) @ W^T by cuBLAS's FP8 GEMM: x quantised per 1 x 128 (quantize_activations), W8
     [N, K] as stored, with N a multiple of 128 and K of 512 (cuBLAS takes W's scales in whole groups of 4 blocks
-    along K) and has_blockwise_fp8_mm(device). Reference: linear_reference(fp8_dot=True)."""
+    along K) and has_blockwise_fp8_mm(device). The quantised x gets zero rows up to a multiple of 4: torch takes the
+    activations' scales column-major with their row count as leading dimension, and cuBLAS refuses one that is not
+    a multiple of 4 (16 bytes; CUBLAS_STATUS_NOT_SUPPORTED for 33-35, 37-39, 4094 or 4095 tokens on the H200).
+    Reference: linear_reference(fp8_dot=True)."""
     if not blockwise_shape(*weight.shape):
         raise ValueError(f"cuBLAS's block scales need N a multiple of 128 and K of 512, not W {tuple(weight.shape)}")
-    return _blockwise_mm(*quantize_activations(x), weight, scales, x.dtype)
+    M = x.shape[0]
+    return _blockwise_mm(*quantize_activations(x, rows=M + -M % 4), weight, scales, x.dtype)[:M]
 
 
 def fp8_dequantize(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -79,7 +79,7 @@ indexer = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32"
            "S": "i32", "T": "i32", "scale": "fp32"}
 indexer_fp8 = {**indexer, "q_ptr": "*u8", **K("H D BLOCK_S S_PAD BLOCK_T KEY_BLOCKS FP8_HW CAST")}
 indexer_fp8_tile = lambda hw: dict(H=32, D=128, BLOCK_S=8, S_PAD=16, BLOCK_T=64, KEY_BLOCKS=16, FP8_HW=hw, CAST=False)
-quantize = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "K": "i32",
+quantize = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "K": "i32", "rows": "i32",
             **K("BLOCK_M FP8_MAX FP8_HW")}
 rows = {"scores_ptr": "*fp32", "T": "i32", "k": "i32", "per_program": "i32"}
 fp8_tile = lambda **k: {**dict(BLOCK_N=64, ACT_FP8=False, FP8_HW=False, CAST=False, STEP=1, VECTOR=False,

@@ -144,6 +144,9 @@ def test_activations_quantise_in_one_kernel_as_the_reference_does():
     got, want = e4m3_bits(x8), e4m3_bits(want8)
     assert torch.equal(got, want), f"{(got != want).sum()} bytes differ, first at {(got != want).nonzero()[:4].tolist()}"
     assert torch.equal(scales.cpu(), want_scales) and scales.stride() == (1, 37)
+    x8, scales = linear_triton.quantize_activations(x.to(DEVICE, torch.bfloat16), rows=40)  # 3 zero rows after
+    assert torch.equal(e4m3_bits(x8[:37]), want) and not x8[37:].view(torch.uint8).any()
+    assert torch.equal(scales[:37].cpu(), want_scales) and scales.stride() == (1, 40) and (scales[37:] > 0).all()
 
 
 def e4m3_bits(x8: torch.Tensor) -> torch.Tensor:
@@ -182,12 +185,33 @@ def test_split_gemvs_on_two_streams_at_once():
 @pytest.mark.skipif(not torch.cuda.is_available() or not linear_triton.has_blockwise_fp8_mm(torch.device("cuda")),
                     reason="needs cuBLAS's blockwise FP8 GEMM (sm90)")
 def test_cublas_blockwise_prefill_equals_the_reference():
+    """Any number of tokens (cuBLAS refused those not a multiple of 4 with CUBLAS_STATUS_NOT_SUPPORTED: bench_flash's
+    4K prefills stopped there)."""
     w8, scales = fp8_blocks.quantize(random((384, 512), 12))
-    x = random((100, 512), 13).bfloat16()
-    y = linear_triton.fp8_blockwise_linear(x.cuda(), w8.cuda(), scales.cuda())
-    check(y, linear_triton.linear_reference(x, "fp8", w8, scales, fp8_dot=True), torch.bfloat16)
+    for M in (100, 33, 34, 35, 4095):
+        x = random((M, 512), M).bfloat16()
+        y = linear_triton.fp8_blockwise_linear(x.cuda(), w8.cuda(), scales.cuda())
+        assert y.is_contiguous()
+        check(y, linear_triton.linear_reference(x, "fp8", w8, scales, fp8_dot=True), torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of 128"):
         linear_triton.fp8_blockwise_linear(x[:, :384].cuda(), w8[:, :384].cuda(), scales.cuda())
+
+
+def test_cublas_blockwise_gets_rows_in_fours(monkeypatch):
+    """What cuBLAS's blockwise GEMM is handed (here a stand-in computing it from the dequantised operands, on the
+    CPU): a multiple of 4 rows, whatever the prefill's count, and the result cut back to it."""
+    def blockwise_mm(x8, x_scales, weight, scales, dtype):
+        assert x8.shape[0] % 4 == 0 and x_scales.shape == (x8.shape[0], 4) and x_scales.stride() == (1, x8.shape[0])
+        x = fp8_blocks.dequantize_activations(x8.cpu(), x_scales.cpu())
+        return (x @ fp8_blocks.dequantize(weight.cpu(), scales.cpu()).T).to(dtype)
+
+    monkeypatch.setattr(linear_triton, "_blockwise_mm", blockwise_mm)
+    w8, scales = fp8_blocks.quantize(random((256, 512), 14))
+    for M in (33, 34, 35, 36):
+        x = random((M, 512), M).bfloat16()
+        y = linear_triton.fp8_blockwise_linear(x.to(DEVICE), w8.to(DEVICE), scales.to(DEVICE))
+        assert y.shape == (M, 256)
+        check(y, linear_triton.linear_reference(x, "fp8", w8, scales, fp8_dot=True), torch.bfloat16)
 
 
 def test_every_e4m3_value_widens_exactly():

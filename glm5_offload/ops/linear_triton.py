@@ -177,7 +177,8 @@ class LinearOperator(Operator):
         if self.replaces is not LMHead:
             prefill = N * K * ctx.dtype.itemsize
             if fmt == "fp8" and linear_triton.blockwise_shape(N, K):
-                prefill = max(prefill, ctx.prefill_chunk * (K + K // linear_triton.BLOCK * 4))
+                rows = ctx.prefill_chunk + 3  # padded to a multiple of 4 (fp8_blockwise_linear)
+                prefill = max(prefill, rows * (K + K // linear_triton.BLOCK * 4))
         return [Buffer(slot.device, "weights", self.weight_bytes(slot, ctx.dtype)),
                 Buffer(slot.device, "workspace", max(partials, prefill))]
 
