@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from glm5_offload.kernels import linear_triton
 from glm5_offload.loader import load_model
 from glm5_offload.ops import expert_ring, experts_numba
 from glm5_offload.rules import load_rules, resolve_rules_path
@@ -111,3 +112,27 @@ def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index)
     assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
     if Path(rules.path).name.startswith("glm5.") or "-ring" in rules.path or "-slabs" in rules.path:
         assert Engine(model, max_seq_len=4096).use_graphs  # the fast placement decodes from graphs
+
+
+def test_bf16_prompts_of_any_length_through_the_default_rules(tmp_path, monkeypatch):
+    """What a user runs by default: bf16 compute under rules/glm5.yaml, on dims (hidden 512) whose FP8 projections
+    cuBLAS's blockwise GEMM takes on an sm90 GPU, with a prompt of 1101 tokens and a second turn of 37 more (it
+    refused token counts not a multiple of 4 until 84feadf; the float32 tests above never take that path). Graph
+    decode gives eager decode's tokens."""
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(), "hidden_size": 512,
+                                                      "moe_intermediate_size": 128}))
+    ckpt = make_tiny(tmp_path / "ckpt", preset=str(tmp_path / "config.json"), layers=2)
+    model = load_model(ckpt, rules=load_rules("glm5"), dtype=torch.bfloat16, max_seq_len=2048)
+    blockwise, real = [], linear_triton.fp8_blockwise_linear
+    monkeypatch.setattr(linear_triton, "fp8_blockwise_linear", lambda x, *w: blockwise.append(len(x)) or real(x, *w))
+    g = torch.Generator().manual_seed(1)
+    prompt, extra = (torch.randint(12, 1024, (n,), generator=g).tolist() for n in (1101, 37))
+    results = {}
+    for graphs in (True, False):
+        engine = Engine(model, max_seq_len=2048, prefill_chunk=2048, cuda_graphs=graphs)
+        engine.stop_ids = set()
+        first = engine.generate(prompt, NEW_TOKENS).output_ids
+        results[graphs] = [first, engine.generate(prompt + first + extra, NEW_TOKENS).output_ids]
+    assert results[True] == results[False] and [len(r) for r in results[True]] == [NEW_TOKENS] * 2
+    if linear_triton.has_blockwise_fp8_mm(torch.device("cuda")):
+        assert 1101 in blockwise, blockwise
