@@ -206,18 +206,22 @@ ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() 
 
 
 @pytest.mark.parametrize("device", ON)
-def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device):
-    """Parity with the reference path (and so with transformers), IndexShare included."""
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device, arch):
+    """Parity with transformers: GLM-5 with IndexShare (its indexer's rope interleaved), DeepSeek-V3.2 (an indexer
+    on every layer, its rope half-split; yarn)."""
     from glm5_offload.ops.dsa_triton import TritonAttention, TritonIndexer
 
-    path, hf = hf_checkpoint("glm_moe_dsa")
+    path, hf = hf_checkpoint(arch)
     ids = torch.randint(4, 320, (28,), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         theirs = hf(ids[None]).logits[0]
     model = load_model(path, dtype=torch.float32, rules=dsa_rules(tmp_path, device))
     layers = model.model.layers
     assert all(type(layer.self_attn) is TritonAttention for layer in layers)
-    assert type(layers[0].self_attn.indexer) is TritonIndexer and layers[1].self_attn.indexer is None
+    indexers = [type(layer.self_attn.indexer) for layer in layers]
+    assert indexers == ([TritonIndexer, type(None), type(None), type(None), TritonIndexer] if arch == "glm_moe_dsa"
+                        else [TritonIndexer] * len(layers))
     ours = model(ids.to(device), new_cache(model, 64)).cpu()
     assert max(rel_err(ours[i], theirs[i]) for i in range(len(ids))) < 1e-4
 

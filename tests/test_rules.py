@@ -291,10 +291,12 @@ def test_device_not_present(tiny_dir, tmp_path):
     assert proc.returncode == 2 and "device cuda is not present" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_dir):
-    """--device cpu: each shipped placement loads and decodes the tiny model without a GPU (its GPU operators through
-    Triton's interpreter here, their references elsewhere); the reference, CPU and GPU placements give the same
-    logits, the default one (FP8 projections, int4 experts, the tiered FP8 cache) logits of the same model."""
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_dir, arch):
+    """--device cpu: each shipped placement loads and decodes the tiny model (GLM-5's, and DeepSeek-V3.2's: the
+    files serve both) without a GPU (its GPU operators through Triton's interpreter here, their references
+    elsewhere); the reference, CPU and GPU placements give the same logits, the default one (FP8 projections, int4
+    experts, the tiered FP8 cache) logits of the same model."""
     from glm5_offload.loader import load_model
     from glm5_offload.runtime.engine import Engine
     from glm5_offload.runtime.kv_cache import new_cache
@@ -302,7 +304,7 @@ def test_every_shipped_rule_file_runs_the_embedded_tiny_model_on_the_cpu(tiny_di
     ids = torch.arange(12, 44)  # past the tiny model's index_topk (16): sparse attention
     logits = {}
     for name in SHIPPED:
-        model = load_model(tiny_dir(), dtype=torch.float32, rules=load_rules(name), device="cpu")
+        model = load_model(tiny_dir(arch), dtype=torch.float32, rules=load_rules(name), device="cpu")
         assert {p.device.type for p in model.parameters()} == {"cpu"}
         logits[name] = model(ids, new_cache(model, 128), logits_for="last")[0]
         engine = Engine(model, max_seq_len=128)

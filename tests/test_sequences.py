@@ -65,13 +65,26 @@ def test_flash_rules_over_three_turns_equal_eager(flash_checkpoint):
     assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
 
 
+def variant(tmp_path, name: str, old: str, new: str) -> Path:
+    """rules/glm5.yaml with `old` (which it must hold) replaced by `new`, as tmp_path/glm5-{name}.yaml."""
+    text = resolve_rules_path("glm5").read_text()
+    assert old in text, old
+    path = tmp_path / f"glm5-{name}.yaml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+VARIANTS = {  # the README's and the rule files' advice, each on rules/glm5.yaml
+    "ring256": ("gpu_tokens: 64", "gpu_tokens: 64, gpu_ring: 256"),  # 80 GB+ GPUs: a whole layer in the ring
+    "slabs": ("window: 512}", "window: 512, prefill_rows: 256}"),  # a staging buffer smaller than the prompt
+    "int4": ("{format: fp8}", "{format: int4}"),  # projections and lm_head in int4 ("halves them again")
+    "staged": ("gpu_tokens: 64", "gpu_tokens: 64, pin_experts: false"),  # the stream through pinned buffers
+}
+
+
 def rule_files(tmp_path) -> list[Path]:
     shipped = [resolve_rules_path(name) for name in ("glm5", "glm5-reference", "glm5-gpu", "glm5-cpu")]
-    ring = tmp_path / "glm5-ring256.yaml"  # the README's advice for 80 GB+ GPUs: a whole layer in the ring
-    ring.write_text(shipped[0].read_text().replace("gpu_tokens: 64", "gpu_tokens: 64, gpu_ring: 256"))
-    slabs = tmp_path / "glm5-slabs.yaml"  # a staging buffer smaller than the prompt: prefill reads the rows in slabs
-    slabs.write_text(shipped[0].read_text().replace("window: 512}", "window: 512, prefill_rows: 256}"))
-    return shipped + [ring, slabs]
+    return shipped + [variant(tmp_path, name, *change) for name, change in VARIANTS.items()]
 
 
 def model_layer(model, experts) -> str:
@@ -93,8 +106,8 @@ def turns(engine: Engine) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("index", range(6), ids=["glm5", "glm5-reference", "glm5-gpu", "glm5-cpu", "glm5-ring256",
-                                                  "glm5-slabs"])
+@pytest.mark.parametrize("index", range(4 + len(VARIANTS)),
+                         ids=["glm5", "glm5-reference", "glm5-gpu", "glm5-cpu"] + [f"glm5-{n}" for n in VARIANTS])
 def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index):
     rules = load_rules(rule_files(tmp_path)[index])
     model = load_model(checkpoint, rules=rules, dtype=torch.float32, max_seq_len=4096)
@@ -110,19 +123,22 @@ def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index)
         assert staged == [], staged  # nothing staged that nobody uses
     assert results[True] == results[False]
     assert [len(out) for out in results[True]] == [NEW_TOKENS] * 3
-    if Path(rules.path).name.startswith("glm5.") or "-ring" in rules.path or "-slabs" in rules.path:
+    if index == 0 or index >= 4:
         assert Engine(model, max_seq_len=4096).use_graphs  # the fast placement decodes from graphs
 
 
-def test_bf16_prompts_of_any_length_through_the_default_rules(tmp_path, monkeypatch):
-    """What a user runs by default: bf16 compute under rules/glm5.yaml, on dims (hidden 512) whose FP8 projections
-    cuBLAS's blockwise GEMM takes on an sm90 GPU, with a prompt of 1101 tokens and a second turn of 37 more (it
-    refused token counts not a multiple of 4 until 84feadf; the float32 tests above never take that path). Graph
-    decode gives eager decode's tokens."""
-    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(), "hidden_size": 512,
+@pytest.mark.parametrize("arch, projections", [("glm_moe_dsa", "fp8"), ("glm_moe_dsa", "int4"),
+                                               ("deepseek_v32", "fp8")])
+def test_bf16_prompts_of_any_length_through_the_default_rules(tmp_path, monkeypatch, arch, projections):
+    """What a user runs by default: bf16 compute under rules/glm5.yaml (and its int4 projections), GLM-5 and
+    DeepSeek-V3.2, on dims (hidden 512) whose FP8 projections cuBLAS's blockwise GEMM takes on an sm90 GPU, with a
+    prompt of 1101 tokens and a second turn of 37 more (it refused token counts not a multiple of 4 until 84feadf;
+    the float32 tests above never take that path). Graph decode gives eager decode's tokens."""
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(arch), "hidden_size": 512,
                                                       "moe_intermediate_size": 128}))
     ckpt = make_tiny(tmp_path / "ckpt", preset=str(tmp_path / "config.json"), layers=2)
-    model = load_model(ckpt, rules=load_rules("glm5"), dtype=torch.bfloat16, max_seq_len=2048)
+    rules = load_rules(variant(tmp_path, "int4", *VARIANTS["int4"]) if projections == "int4" else "glm5")
+    model = load_model(ckpt, rules=rules, dtype=torch.bfloat16, max_seq_len=2048)
     blockwise, real = [], linear_triton.fp8_blockwise_linear
     monkeypatch.setattr(linear_triton, "fp8_blockwise_linear", lambda x, *w: blockwise.append(len(x)) or real(x, *w))
     g = torch.Generator().manual_seed(1)
@@ -134,5 +150,5 @@ def test_bf16_prompts_of_any_length_through_the_default_rules(tmp_path, monkeypa
         first = engine.generate(prompt, NEW_TOKENS).output_ids
         results[graphs] = [first, engine.generate(prompt + first + extra, NEW_TOKENS).output_ids]
     assert results[True] == results[False] and [len(r) for r in results[True]] == [NEW_TOKENS] * 2
-    if linear_triton.has_blockwise_fp8_mm(torch.device("cuda")):
+    if projections == "fp8" and linear_triton.has_blockwise_fp8_mm(torch.device("cuda")):
         assert 1101 in blockwise, blockwise
