@@ -34,10 +34,12 @@ def cpu_expert_rules(path, device, attention_kwargs="{}"):
 
 @pytest.mark.parametrize("device", ON)
 @pytest.mark.parametrize("offload", [False, True], ids=["plain", "tiered"])
-def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload):
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload, arch):
     """14 teacher-forced steps from position 56 cross the buckets 64 and 128 (the keys read up to the bucket,
-    masked past the position); the tiered cache's hot buffer (24 rows) is far smaller than the context."""
-    path, _ = hf_checkpoint("glm_moe_dsa")
+    masked past the position); the tiered cache's hot buffer (24 rows) is far smaller than the context. GLM-5
+    (IndexShare) and DeepSeek-V3.2 (an indexer a layer)."""
+    path, _ = hf_checkpoint(arch)
     kwargs = "{kv_offload: true, hot_budget: 4608, window: 4}" if offload else "{}"
     model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", device, kwargs))
     prompt = torch.randint(4, 320, (56,), generator=torch.Generator().manual_seed(5)).to(device)

@@ -129,10 +129,11 @@ ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() 
 
 @pytest.mark.parametrize("device", ON)
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
-def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype):
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_tiered_model_equals_untiered(hf_checkpoint, tmp_path, device, kv_dtype, arch):
     """A context far larger than the hot buffer (24 rows of 48 for 100 tokens): the same logits, bit for bit,
-    IndexShare's prefetched layers and the prefill's staged path included."""
-    path, _ = hf_checkpoint("glm_moe_dsa")
+    IndexShare's prefetched layers (GLM-5) and the prefill's staged path included."""
+    path, _ = hf_checkpoint(arch)
     row = 32 + 4 + 16 * 2 if kv_dtype == "fp8" else 48 * 4  # bytes of one latent row (fp32 model)
     op = "attention.dsa_triton" if device == "cuda" else "attention.reference"
     plain = load_model(path, dtype=torch.float32, rules=plain_rules(tmp_path, device, kv_dtype, op))
