@@ -127,17 +127,25 @@ def test_shipped_rules_over_three_turns_equal_eager(checkpoint, tmp_path, index)
         assert Engine(model, max_seq_len=4096).use_graphs  # the fast placement decodes from graphs
 
 
+def wide_checkpoint(root: Path, arch: str, layers: int) -> Path:
+    """A tiny checkpoint of arch whose projections have dims cuBLAS's blockwise FP8 GEMM takes (hidden 512)."""
+    config = tiny_config(arch)
+    (config["text_config"] if arch == "glm5_next" else config).update(hidden_size=512, moe_intermediate_size=128)
+    (root / "config.json").write_text(json.dumps(config))
+    return make_tiny(root / "ckpt", preset=str(root / "config.json"), layers=layers)
+
+
 @pytest.mark.parametrize("arch, projections", [("glm_moe_dsa", "fp8"), ("glm_moe_dsa", "int4"),
-                                               ("deepseek_v32", "fp8")])
+                                               ("deepseek_v32", "fp8"), ("glm5_next", "fp8")])
 def test_bf16_prompts_of_any_length_through_the_default_rules(tmp_path, monkeypatch, arch, projections):
-    """What a user runs by default: bf16 compute under rules/glm5.yaml (and its int4 projections), GLM-5 and
-    DeepSeek-V3.2, on dims (hidden 512) whose FP8 projections cuBLAS's blockwise GEMM takes on an sm90 GPU, with a
-    prompt of 1101 tokens and a second turn of 37 more (it refused token counts not a multiple of 4 until 84feadf;
-    the float32 tests above never take that path). Graph decode gives eager decode's tokens."""
-    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(arch), "hidden_size": 512,
-                                                      "moe_intermediate_size": 128}))
-    ckpt = make_tiny(tmp_path / "ckpt", preset=str(tmp_path / "config.json"), layers=2)
-    rules = load_rules(variant(tmp_path, "int4", *VARIANTS["int4"]) if projections == "int4" else "glm5")
+    """What a user runs by default: bf16 compute under the family's default rules (glm5.yaml, and its int4
+    projections; glm5-flash.yaml), GLM-5, DeepSeek-V3.2 and GLM-5.3-Flash, on dims (hidden 512) whose FP8
+    projections cuBLAS's blockwise GEMM takes on an sm90 GPU, with a prompt of 1101 tokens and a second turn of 37
+    more (it refused token counts not a multiple of 4 until 84feadf; the float32 tests above never take that path).
+    Graph decode gives eager decode's tokens."""
+    ckpt = wide_checkpoint(tmp_path, arch, layers=4 if arch == "glm5_next" else 2)  # Flash: KDA layers and a DSA one
+    rules = load_rules(variant(tmp_path, "int4", *VARIANTS["int4"]) if projections == "int4"
+                       else "glm5-flash" if arch == "glm5_next" else "glm5")
     model = load_model(ckpt, rules=rules, dtype=torch.bfloat16, max_seq_len=2048)
     blockwise, real = [], linear_triton.fp8_blockwise_linear
     monkeypatch.setattr(linear_triton, "fp8_blockwise_linear", lambda x, *w: blockwise.append(len(x)) or real(x, *w))
