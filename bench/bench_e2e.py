@@ -43,8 +43,9 @@ from bench_context import fill
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm5_offload.benchmark import (experts_alone, experts_huge_pages, format_table, generate_split,
-                                    prefill_projection, prefill_split, random_prompt, run_benchmark)
+from glm5_offload.benchmark import (experts_alone, experts_huge_pages, experts_replayed, format_table,
+                                    generate_split, prefill_projection, prefill_split, random_prompt,
+                                    recorded_experts, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
@@ -74,11 +75,13 @@ def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
     the second run's speed and graph split."""
     fill(engine, context)
     prompt = engine.cache_ids + [0]  # the cached rows are the prompt's prefix: one token is prefilled
-    engine.generate(prompt, new_tokens)
+    with recorded_experts(engine.model) as calls:
+        engine.generate(prompt, new_tokens)
     again, graph_split = generate_split(engine, prompt, new_tokens)
     ms = 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None
     return {"context": context, "filled": True, "new_tokens": new_tokens, "prefilled_tokens": again.prefilled_tokens,
-            "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split}
+            "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split,
+            "experts_replayed_ms_per_token": experts_replayed(calls)}
 
 
 def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
@@ -95,10 +98,11 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     elif filled:
         result = decode_filled(engine, context, new_tokens)
         result["experts_alone_ms_per_token"] = alone = experts_alone(model)
-        split = result["graph_split_ms_per_token"] or {}
+        split, replayed = result["graph_split_ms_per_token"] or {}, result["experts_replayed_ms_per_token"]
         print(f"decode after {context} filled tokens: {result['decode_ms_per_token']:.2f} ms/token ("
               + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + ")"
-              + ("" if alone is None else f"; the experts alone {alone:.3f} ms"), flush=True)
+              + ("" if alone is None else f"; the experts alone {alone:.3f} ms")
+              + ("" if replayed is None else f", the decode's own calls again alone {replayed:.3f} ms"), flush=True)
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)

@@ -16,13 +16,16 @@ kind (prefill_projection): a checkpoint cut to a few layers (`glm5 make-tiny --p
 model's long prefill costs.
 With the routed experts on the CPU, decode is measured against its host-bandwidth bound: the bytes of the experts
 one token reads (the planner's figure for the placement) at the host's read bandwidth (kernels/host_read.py), and
-the same layers' experts are timed alone in the same process (experts_alone): what the step adds to them, and how
-fast this process's kernel reads (on the H200 machine's host the same kernel has run 15-20% apart between processes).
+the same layers' experts are timed alone in the same process (experts_alone: random routing, each call reading its
+experts from memory; on the H200 machine's host the same kernel has run 15-20% apart between processes), and the
+calls the first run's decode made are made again alone, with their inputs, right after the timed decode
+(experts_replayed): what the step around them adds to the same work.
 """
 
 import resource
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -103,8 +106,10 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    first = engine.generate(prompt, new_tokens)
+    with recorded_experts(model) as calls:
+        first = engine.generate(prompt, new_tokens)
     again, graph_split = generate_split(engine, prompt, new_tokens)  # the same positions: decode speed, graphs warm
+    replayed = experts_replayed(calls)  # (the same calls as again's: greedy over the same cache)
     for _ in range(2):  # the first pass compiles what eager decode needs and the graphs did not (Triton
         # specialises integer arguments, such as a key count that is not a multiple of 16); the second is kept
         with Timeline() as timeline:
@@ -114,7 +119,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
     split = parts(timeline, third.prefill_seconds + third.decode_seconds)  # new_tokens forwards, 1 token each
     prefill = prefill_split(engine, prompt)
     saved = saved_context_seconds(engine)
-    bound = host_bound(engine, context, again.decode_tokens_per_s)
+    bound = host_bound(engine, context, again.decode_tokens_per_s, replayed)
     return {
         "model": str(Path(model.config.path).parent), "context": context, "new_tokens": new_tokens,
         "prefill_tokens_per_s": first.prefill_tokens_per_s,
@@ -167,6 +172,36 @@ def experts_alone(model, calls: int = 16, seed: int = 0) -> float | None:
     return sum(sorted(t[1:])[len(t[1:]) // 2] for t in times) * 1e3
 
 
+@contextmanager
+def recorded_experts(model):
+    """Within: every one-token call of the model's NumbaExperts layers (decode's) is appended, with copies of its
+    inputs, to the list this yields as (layer, x, ids, weights); the calls themselves run as always."""
+    calls, layers = [], [m for m in model.modules() if isinstance(m, NumbaExperts)]
+    for layer in layers:
+        def compute(x, ids, weights, layer=layer, compute=layer._compute):
+            if x.shape[0] == 1:
+                calls.append((layer, x.copy(), ids.copy(), weights.copy()))
+            return compute(x, ids, weights)
+        layer._compute = compute  # (an instance attribute over the method)
+    try:
+        yield calls
+    finally:
+        for layer in layers:
+            del layer._compute
+
+
+def experts_replayed(calls: list) -> float | None:
+    """Milliseconds a decode token's CPU experts take when a decode's calls (recorded_experts) are made again, alone,
+    in their order and with their inputs; None without calls."""
+    if not calls:
+        return None
+    t0 = time.perf_counter()
+    for layer, x, ids, weights in calls:
+        layer._compute(x, ids, weights)
+    tokens = len(calls) / len({id(layer) for layer, *_ in calls})
+    return (time.perf_counter() - t0) / tokens * 1e3
+
+
 def experts_huge_pages(model) -> tuple[int, int] | None:
     """(bytes mapped, bytes in transparent huge pages) of the memory holding the model's CPU experts
     (checkpoint.huge_pages)."""
@@ -174,11 +209,11 @@ def experts_huge_pages(model) -> tuple[int, int] | None:
                        for name in ("w13", "s13", "w2", "s2")])
 
 
-def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None:
+def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: float | None = None) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
-    measured decode's fraction of it, and the bytes of the memory holding the CPU experts in huge pages (a 4 KiB
-    page a TLB entry slows their read: checkpoint.read_into_memory asks for 2 MiB ones); None where the experts are
-    not all on the CPU."""
+    measured decode's fraction of it, the experts timed alone (experts_alone; replayed_ms: experts_replayed's), and
+    the bytes of the memory holding the CPU experts in huge pages (a 4 KiB page a TLB entry slows their read:
+    checkpoint.read_into_memory asks for 2 MiB ones); None where the experts are not all on the CPU."""
     model = engine.model
     plan = make_plan(model.config, model.placement, context, {}, dtype=model.dtype)
     on_cpu = [s.device == "cpu" for s in model.placement.slots.values() if s.op.replaces is Experts]
@@ -191,7 +226,8 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float) -> dict | None
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
             "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,
-            "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9)}
+            "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9),
+            "experts_replayed_ms_per_token": replayed_ms}
 
 
 def saved_context_seconds(engine: Engine) -> dict:
@@ -238,9 +274,11 @@ def format_table(r: dict) -> str:
                      f"{bound['of_bound']:.1%} of it")
         if bound["experts_alone_ms_per_token"]:
             step = (r["graph_split_ms_per_token"] or r["split_ms_per_token"])["experts"]
+            replayed = bound["experts_replayed_ms_per_token"]
             lines.append(f"  the CPU experts alone (random routing, this process): "
                          f"{bound['experts_alone_ms_per_token']:.3f} ms a token, {bound['experts_alone_of_read']:.0%} "
-                         f"of the read; in the decode step {step:.3f} ms")
+                         f"of the read; the decode's own calls again alone "
+                         + ("-" if replayed is None else f"{replayed:.3f} ms") + f"; in the decode step {step:.3f} ms")
         if bound["experts_mapped_bytes"]:
             lines.append(f"  the CPU experts' memory: {gib(bound['experts_mapped_bytes'])} mapped, "
                          f"{bound['experts_huge_page_bytes'] / bound['experts_mapped_bytes']:.0%} in huge pages")

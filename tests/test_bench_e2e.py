@@ -84,6 +84,7 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
     engine = Engine(model, max_seq_len=160)
     result = bench_e2e.decode_filled(engine, 150, 2)
     assert result["prefilled_tokens"] == 1 and result["decode_ms_per_token"] > 0
+    assert result["experts_replayed_ms_per_token"] > 0  # the first run's decode calls, again alone
     assert engine.cache.length == 150 + 2 and len(engine.cache_ids) == 152
     tiered = [store for store in engine.cache.latent if isinstance(store, TieredLatent)]
     assert tiered and all(store.end == 152 for store in tiered)

@@ -265,6 +265,7 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     # of the read may pass 1)
     assert bound["experts_alone_ms_per_token"] > 0 and bound["experts_alone_of_read"] > 0
     assert "the CPU experts alone (random routing, this process)" in table
+    assert bound["experts_replayed_ms_per_token"] > 0 and "the decode's own calls again alone" in table
     saved = r["saved_context"]  # the prefilled context saved and loaded back
     assert saved["tokens"] == 40 and saved["bytes"] > 40 * 5 * 64 and saved["save_s"] > 0 and saved["load_s"] > 0
     assert "context of 40 tokens saved" in table
@@ -272,8 +273,32 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
 
 
 def test_experts_alone_needs_cpu_experts():
-    from glm5_offload.benchmark import experts_alone
-    assert experts_alone(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None
+    from glm5_offload.benchmark import experts_alone, experts_replayed
+    assert experts_alone(torch.nn.Sequential(torch.nn.Linear(4, 4))) is None and experts_replayed([]) is None
+
+
+def test_a_decodes_expert_calls_are_recorded_and_made_again(tmp_path, monkeypatch):
+    """bench's replay: each MoE layer's one-token calls of a decode (not the prompt's), with their inputs, made
+    again in their order; the layers' own method back afterwards."""
+    from glm5_offload import tiny
+    from glm5_offload.benchmark import experts_replayed, recorded_experts
+    from glm5_offload.loader import load_model
+    from glm5_offload.ops.experts_numba import NumbaExperts
+    from glm5_offload.rules import load_rules
+    from glm5_offload.runtime.engine import Engine
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = load_model(tiny.make_tiny(tmp_path / "ckpt"), rules=load_rules("glm5"), device="cpu")
+    layers = [m for m in model.modules() if isinstance(m, NumbaExperts)]
+    engine = Engine(model, max_seq_len=64)
+    engine.stop_ids = set()
+    with recorded_experts(model) as calls:
+        engine.generate(list(range(12, 40)), 5)  # 28 prompt tokens in one forward, then 4 one-token forwards
+    assert [layer for layer, *_ in calls] == layers * 4 and all(len(x) == 1 for _, x, _, _ in calls)
+    assert all("_compute" not in vars(layer) for layer in layers)
+    made = []
+    monkeypatch.setattr(NumbaExperts, "_compute", lambda self, x, ids, w: made.append((self, x, ids, w)))
+    assert experts_replayed(calls) > 0 and made == calls
 
 
 def test_prefill_projection_scales_each_part_by_its_layers(tmp_path):
