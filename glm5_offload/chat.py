@@ -131,10 +131,17 @@ class Conversation:
         """The conversation saved at path, and its cache beside it where this engine can resume it; what became of
         the cache, in words."""
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise Glm5Error(f"{path}: cannot read a saved conversation ({e})") from None
+        except OSError as e:
+            raise Glm5Error(f"{path}: cannot read a saved conversation ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise Glm5Error(f"{path}: cannot read a saved conversation (not UTF-8 text: byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise Glm5Error(f"{path}: cannot read a saved conversation (not JSON: {e.msg} at line {e.lineno} column "
+                            f"{e.colno})") from None
+        except RecursionError:
+            raise Glm5Error(f"{path}: cannot read a saved conversation (JSON nested too deeply)") from None
         messages = data.get("messages") if isinstance(data, dict) else None
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages):

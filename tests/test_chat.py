@@ -125,7 +125,7 @@ def test_two_turns_save_and_load(tiny_dir, tmp_path):
     term.send("/stats\r")
     term.expect(r"turns 2, prefilled \d+ tokens, generated \d+ tokens")
     term.send("/load /nonexistent.json\r")
-    term.expect(r"error: /nonexistent.json: cannot read a saved conversation")
+    term.expect(r"error: /nonexistent.json: cannot read a saved conversation \(No such file or directory\)\r?\n")
     assert term.quit() == 0
 
 
@@ -181,12 +181,12 @@ def test_no_think_turns_thinking_off(tiny_dir):
 
 
 def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
-    """/save where it cannot write, /load of a file that is not UTF-8, names an unknown role or holds a lone
-    surrogate: one error line each,
-    and the conversation goes on."""
+    """/save where it cannot write, /load of a file that is not UTF-8, not JSON, nested past Python's stack, names an
+    unknown role or holds a lone surrogate: one error line each, in our words, and the conversation goes on."""
     (tmp_path / "latin1.json").write_bytes(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}')
     (tmp_path / "role.json").write_text(json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}))
     (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)  # nested past Python's stack
+    (tmp_path / "notjson.json").write_text('{"messages": }')
     (tmp_path / "surrogate.json").write_text('{"messages": [{"role": "user", "content": "hi"}, '
                                              '{"role": "assistant", "content": "x \\ud800"}]}')
     term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3, "--no-think")
@@ -195,8 +195,12 @@ def test_bad_save_and_load_keep_the_session(tiny_dir, tmp_path):
     term.expect(STATS)
     for command, error in ((f"/save {tmp_path}/no/such/dir/x.json", r"cannot write the conversation"),
                            (f"/save {tmp_path}", r"cannot write the conversation \(Is a directory\)"),
-                           (f"/load {tmp_path}/latin1.json", r"cannot read a saved conversation"),
-                           (f"/load {tmp_path}/deep.json", r"cannot read a saved conversation \(maximum recursion"),
+                           (f"/load {tmp_path}/latin1.json", r"cannot read a saved conversation \(not UTF-8 text: "
+                                                              r"byte 46\)"),
+                           (f"/load {tmp_path}/notjson.json", r"cannot read a saved conversation \(not JSON: "
+                                                               r"Expecting value at line 1 column 14\)"),
+                           (f"/load {tmp_path}/deep.json", r"cannot read a saved conversation \(JSON nested too "
+                                                            r"deeply\)"),
                            (f"/load {tmp_path}/role.json", r"role one of system, user, assistant"),
                            (f"/load {tmp_path}/surrogate.json", r"messages\[1\]\.content is not valid Unicode")):
         term.expect(r"\n> ")
