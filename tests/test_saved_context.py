@@ -57,6 +57,27 @@ def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, 
     assert again.generate(first_prompt + list(range(200, 230)), n).reused_tokens == len(first_prompt)
 
 
+def test_rows_of_another_placement_resume_with_a_warning(tiny_dir, tmp_path, caplog):
+    """The same weights and cache form under another placement (here the routed experts in int8 on numba): the rows
+    are resumed, with a warning that they are not what this placement would compute; under the same placement, none."""
+    from glm5_offload.rules import resolve_rules_path
+
+    path = tiny_dir()
+    saver = engine(path)
+    saver.generate(PROMPT, 2)
+    save_context(saver, tmp_path / "ctx.safetensors")
+    rules = tmp_path / "numba.yaml"
+    rules.write_text(resolve_rules_path("glm5-cpu").read_text().replace(
+        "op: experts.reference", f"op: experts.numba\n    kwargs: {{format: int8, cache_dir: '{tmp_path}'}}"))
+    for placement, warned in (("glm5-cpu", False), (rules, True)):
+        caplog.clear()
+        target = engine(path, placement)
+        assert load_context(target, tmp_path / "ctx.safetensors") == len(PROMPT) + 1
+        warnings = [r.getMessage() for r in caplog.records if "another placement" in r.getMessage()]
+        assert len(warnings) == warned and target.generate(target.cache_ids + [5], 1).reused_tokens == len(PROMPT) + 1
+    assert warnings[0].startswith(f"{tmp_path / 'ctx.safetensors'}: saved under another placement")
+
+
 def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):
     """On the CPU: generate --save-context, then another process --load-context: cached_tokens in its JSON, and
     the tokens of a fresh run of the same prompt."""

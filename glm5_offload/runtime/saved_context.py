@@ -11,16 +11,20 @@ One safetensors file (never pickle), written under a temporary name and renamed 
                      the fixed-size states (GLM-5.3-Flash): a KDA layer's recurrent state and last conv inputs, a
                      pooled indexer's current group (KVCache.states)
 and in its metadata the format and version, the model's identity (config.json's sha256, the weights' fingerprint:
-file names, sizes and times), the cache's form (each layer's row form) and a CRC-32 of every 64 MiB of every tensor.
+file names, sizes and times), the cache's form (each layer's row form), the placement that computed the rows (a
+digest of each slot's operator, device and kwargs, and the dtype) and a CRC-32 of every 64 MiB of every tensor.
 The arrays are written straight from the cache's memory (no copy) while a pool of threads computes the CRCs.
 
 Loading checks the header, the identity, the form and every tensor's name, dtype, shape and CRC before the engine's
 cache takes any of it: a truncated, foreign or corrupt file is refused in one line and the engine keeps what it had.
+Rows computed under another placement of the same weights (other formats, operators or dtype) are resumed with a
+warning: they are the same context, but not the bits a fresh prefill under this one would give.
 Rows are read from a memory map straight into their place (pinned host memory for tiered layers, the GPU otherwise).
 """
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import warnings
@@ -41,6 +45,7 @@ _BITS = {1: np.uint8, 2: np.uint16, 4: np.float32}  # element size -> how the by
 _HEADER_DTYPES = {np.dtype(v): k for k, v in MAPPED_DTYPES.items()}  # what memory_map reads back
 CHUNK = 64 << 20  # bytes under one CRC-32
 _pool = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="context-crc")  # zlib frees the GIL
+log = logging.getLogger("glm5_offload")
 
 
 def _chunks(a: np.ndarray) -> list[memoryview]:
@@ -88,6 +93,16 @@ def identity(engine: Engine) -> dict:
             "weights": fingerprint(config_path.parent), "form": form}
 
 
+def placement_digest(engine: Engine) -> str:
+    """What computed the rows: every slot's operator, device and kwargs, and the model's dtype, as a sha256."""
+    model = engine.model
+    placed = getattr(model, "placement", None)  # (a model the loader did not build has none)
+    slots = [] if placed is None else [(name, slot.op.name, slot.device, slot.kwargs)
+                                       for name, slot in sorted(placed.slots.items())]
+    text = json.dumps([str(model.dtype), slots], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's bits as a numpy array of a plain dtype (uint8, uint16 or float32)."""
     t = t.detach().cpu().contiguous()
@@ -104,7 +119,8 @@ def save_context(engine: Engine, path: str | Path) -> int:
     arrays = {"token_ids": np.asarray(engine.cache_ids[:n], dtype=np.int32)}
     if cache is not None:
         arrays.update({name: _as_bytes(t) for name, t in cache.saved_tensors(n).items()})
-    metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n), "identity": json.dumps(identity(engine))}
+    metadata = {"format": FORMAT, "version": str(VERSION), "tokens": str(n), "identity": json.dumps(identity(engine)),
+                "placement": placement_digest(engine)}
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         _write_safetensors(tmp, arrays, metadata)
@@ -163,6 +179,9 @@ def load_context(engine: Engine, path: str | Path) -> int:
     if n and (ids.min() < 0 or ids.max() >= engine.model.config.vocab_size):
         raise Glm5Error(f"{path}: token ids outside the vocabulary")
     ids = ids.tolist()
+    if meta.get("placement", placement_digest(engine)) != placement_digest(engine):  # (files before it: unchecked)
+        log.warning("%s: saved under another placement (rules, formats, operators, devices or dtype): its rows "
+                    "resume as computed there; a fresh prefill under this one would round differently", path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: torch only reads it
         copies = []
