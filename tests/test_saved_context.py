@@ -59,23 +59,46 @@ def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, 
 
 def test_rows_of_another_placement_resume_with_a_warning(tiny_dir, tmp_path, caplog):
     """The same weights and cache form under another placement (here the routed experts in int8 on numba): the rows
-    are resumed, with a warning that they are not what this placement would compute; under the same placement, none."""
+    are resumed, with a warning that they are not what this placement would compute; under the same placement, or
+    one that differs in where and when its operators work (threads, cache folder), none."""
     from glm5_offload.rules import resolve_rules_path
 
     path = tiny_dir()
+    numba = tmp_path / "numba.yaml"
+    numba.write_text(resolve_rules_path("glm5-cpu").read_text().replace(
+        "op: experts.reference", f"op: experts.numba\n    kwargs: {{format: int8, cache_dir: '{tmp_path}'}}"))
+    threads = tmp_path / "threads.yaml"
+    threads.write_text(numba.read_text().replace("format: int8,", "format: int8, threads: 1,"))
     saver = engine(path)
     saver.generate(PROMPT, 2)
     save_context(saver, tmp_path / "ctx.safetensors")
-    rules = tmp_path / "numba.yaml"
-    rules.write_text(resolve_rules_path("glm5-cpu").read_text().replace(
-        "op: experts.reference", f"op: experts.numba\n    kwargs: {{format: int8, cache_dir: '{tmp_path}'}}"))
-    for placement, warned in (("glm5-cpu", False), (rules, True)):
+
+    def load(placement, name) -> list[str]:
         caplog.clear()
         target = engine(path, placement)
-        assert load_context(target, tmp_path / "ctx.safetensors") == len(PROMPT) + 1
-        warnings = [r.getMessage() for r in caplog.records if "another placement" in r.getMessage()]
-        assert len(warnings) == warned and target.generate(target.cache_ids + [5], 1).reused_tokens == len(PROMPT) + 1
-    assert warnings[0].startswith(f"{tmp_path / 'ctx.safetensors'}: saved under another placement")
+        assert load_context(target, tmp_path / name) == len(PROMPT) + 1
+        assert target.generate(target.cache_ids + [5], 1).reused_tokens == len(PROMPT) + 1
+        return [r.getMessage() for r in caplog.records if "another placement" in r.getMessage()]
+
+    assert load("glm5-cpu", "ctx.safetensors") == []
+    warnings = load(numba, "ctx.safetensors")
+    assert len(warnings) == 1 and warnings[0].startswith(f"{tmp_path / 'ctx.safetensors'}: saved under another "
+                                                         "placement")
+    saver = engine(path, numba)
+    saver.generate(PROMPT, 2)
+    save_context(saver, tmp_path / "numba.safetensors")
+    assert load(threads, "numba.safetensors") == []
+
+
+def test_a_context_saved_before_any_run_loads_as_an_empty_one(tiny_dir, tmp_path):
+    """An engine that never ran has no cache: its saved context holds no rows and loads as none (chat's /save before
+    the first turn, then /load)."""
+    path = tiny_dir()
+    save_context(engine(path), tmp_path / "empty.safetensors")
+    target = engine(path)
+    target.generate(PROMPT, 2)
+    assert load_context(target, tmp_path / "empty.safetensors") == 0 and target.cache_ids == []
+    assert target.generate(PROMPT, 1).reused_tokens == 0
 
 
 def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):

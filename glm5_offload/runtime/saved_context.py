@@ -93,12 +93,18 @@ def identity(engine: Engine) -> dict:
             "weights": fingerprint(config_path.parent), "form": form}
 
 
+# kwargs that say where and when an operator works, not what it computes: left out of the placement's digest
+SCHEDULING_KWARGS = {"threads", "cache_dir", "gpu_ring", "pin_experts", "in_memory", "hot_budget", "window"}
+
+
 def placement_digest(engine: Engine) -> str:
-    """What computed the rows: every slot's operator, device and kwargs, and the model's dtype, as a sha256."""
+    """What computed the rows: every slot's operator, device and kwargs (but SCHEDULING_KWARGS), and the model's
+    dtype, as a sha256."""
     model = engine.model
     placed = getattr(model, "placement", None)  # (a model the loader did not build has none)
-    slots = [] if placed is None else [(name, slot.op.name, slot.device, slot.kwargs)
-                                       for name, slot in sorted(placed.slots.items())]
+    slots = [] if placed is None else [
+        (name, slot.op.name, slot.device, {k: v for k, v in slot.kwargs.items() if k not in SCHEDULING_KWARGS})
+        for name, slot in sorted(placed.slots.items())]
     text = json.dumps([str(model.dtype), slots], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -157,6 +163,9 @@ def load_context(engine: Engine, path: str | Path) -> int:
             raise Glm5Error(f"{path}: saved with {what}: this engine cannot resume it")
     if n > engine.max_seq_len:
         raise Glm5Error(f"{path}: {n} tokens do not fit max_seq_len {engine.max_seq_len}")
+    if n == 0 and sorted(crc) == ["token_ids"]:  # saved before any run (a cache not yet made): an empty context
+        engine.reset()
+        return 0
     arrays = memory_map(path)
     if engine.cache is None:
         engine.cache = new_cache(engine.model, engine.max_seq_len)
