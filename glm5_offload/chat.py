@@ -164,7 +164,7 @@ class Conversation:
         held = self.engine.cache_ids
         if isinstance(history, list) and held[: len(history)] == history[: len(held)]:
             self.history_ids = history  # the next turn's prompt extends exactly what the cache holds
-            self.rendered = self.render(messages, add_generation_prompt=False)
+            self.rendered = self.render(messages, add_generation_prompt=False) if messages else ""  # (none: "")
         return f"{n} cached tokens resumed"
 
 

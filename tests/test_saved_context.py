@@ -213,6 +213,10 @@ def test_chat_save_and_load_keep_the_cache(tiny_dir, tmp_path):
     note = other.load(str(tmp_path / "talk.json"))
     assert note.startswith("its cache was not loaded (") and "truncated" in note
     assert other.messages == fresh.messages[:3] and other.engine.cache is None
+    empty = Conversation(engine(path), tokenizer, max_new_tokens=6)  # /save before the first turn, then /load
+    empty.save(str(tmp_path / "empty.json"))
+    assert empty.load(str(tmp_path / "empty.json")) == "0 cached tokens resumed" and empty.messages == []
+    assert len(empty.ask("Hello again.").result.output_ids) == 6
 
 
 def post(port, body):
