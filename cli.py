@@ -241,8 +241,11 @@ def cmd_generate(args):
 def cmd_bench(args):
     from glm5_offload.benchmark import format_table, run_benchmark
 
-    if args.context < 1 or args.new_tokens < 1:
-        raise Glm5Error(f"--context and --new-tokens must be >= 1, got {args.context} and {args.new_tokens}")
+    if args.context < 1:
+        raise Glm5Error(f"--context must be >= 1, got {args.context}")
+    if args.new_tokens < 2:  # the first new token comes from the prefill's logits: decode is timed from the second
+        raise Glm5Error(f"--new-tokens must be >= 2 (the first new token comes from the prefill; decode is timed "
+                        f"from the second), got {args.new_tokens}")
     source = "--max-seq-len"
     if args.max_seq_len is None:
         args.max_seq_len = args.context + 2 * args.new_tokens  # the split's run extends the first one

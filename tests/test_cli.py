@@ -218,6 +218,9 @@ def test_default_model_is_created_on_first_use_and_says_it_is_random(tmp_path):
     (["generate", "--prompt-ids", "1,2", "--max-new-tokens", -1], "--max-new-tokens must be >= 1, got -1"),
     (["generate", "--prompt-ids", "1,2", "--max-seq-len", 0], "--max-seq-len must be >= 1, got 0"),
     (["generate", "--prompt-ids", "1,2", "--cpu-threads", 100000], "--cpu-threads 100000 is more than the "),
+    (["bench", "--context", 0], "--context must be >= 1, got 0"),
+    (["bench", "--context", 8, "--new-tokens", 1], "--new-tokens must be >= 2 (the first new token comes from the "
+                                                   "prefill; decode is timed from the second), got 1"),
     (["serve", "--port", 99999], "--port must be 0-65535, got 99999"),
     (["serve", "--port=-1"], "--port must be 0-65535, got -1"),
 ])
