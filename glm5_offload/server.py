@@ -131,10 +131,37 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
         top_k=_number(body, "top_k", int, defaults.top_k, 0),  # vLLM's and llama.cpp's extension
         seed=_number(body, "seed", int, defaults.seed, -(2**63), 2**63 - 1),
     )
-    thinking = body.get("enable_thinking", True)
-    if not isinstance(thinking, bool):
-        raise RequestError(400, "'enable_thinking' must be a boolean", "enable_thinking")
-    return messages, params, max_tokens, stop or [], body.get("stream", False), thinking
+    return messages, params, max_tokens, stop or [], body.get("stream", False), template_kwargs(body)
+
+
+EFFORTS = ("max", "high")  # GLM-5's chat template's reasoning_effort
+
+
+def template_kwargs(body: dict) -> dict:
+    """The chat template's enable_thinking (default true) and reasoning_effort (where asked) from the request's own
+    fields or from `chat_template_kwargs` (vLLM's and SGLang's way to pass them): any other template kwarg is
+    refused, never dropped, and so are the two places disagreeing."""
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise RequestError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    extra = extra or {}
+    unknown = sorted(set(extra) - {"enable_thinking", "reasoning_effort"})
+    if unknown:
+        raise RequestError(400, f"'chat_template_kwargs.{unknown[0]}' is not supported (enable_thinking and "
+                                f"reasoning_effort are)", "chat_template_kwargs")
+    kwargs = {}
+    for name, ok, what in (("enable_thinking", lambda v: isinstance(v, bool), "a boolean"),
+                           ("reasoning_effort", lambda v: v in EFFORTS, f"one of {', '.join(EFFORTS)}")):
+        given = {place: v for place, v in ((name, body.get(name)), (f"chat_template_kwargs.{name}", extra.get(name)))
+                 if v is not None}
+        for place, v in given.items():
+            if not ok(v):
+                raise RequestError(400, f"'{place}' must be {what}, got {v!r}", place.split(".")[0])
+        if len(set(map(repr, given.values()))) > 1:
+            raise RequestError(400, f"'{name}' and 'chat_template_kwargs.{name}' disagree", name)
+        if given:
+            kwargs[name] = next(iter(given.values()))
+    return {"enable_thinking": True, **kwargs}
 
 
 class Service:
@@ -155,15 +182,15 @@ class Service:
         if self.context_file is not None and result.prefilled_tokens >= SAVE_AFTER:
             save_context(self.engine, self.context_file)
 
-    def prompt(self, messages, thinking: bool) -> list[int]:
-        text = apply_template(self.tokenizer, messages, add_generation_prompt=True, enable_thinking=thinking)
+    def prompt(self, messages, template: dict) -> list[int]:
+        text = apply_template(self.tokenizer, messages, add_generation_prompt=True, **template)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def complete(self, body, emit=None) -> dict:
         """Run one request; emit(kind, text) gets the reply as it streams, and its return True stops it."""
-        messages, params, max_tokens, stop, _, thinking = parse_request(body, self.max_new_tokens, self.defaults,
+        messages, params, max_tokens, stop, _, template = parse_request(body, self.max_new_tokens, self.defaults,
                                                                         self.model_id)
-        prompt = self.prompt(messages, thinking)
+        prompt, thinking = self.prompt(messages, template), template["enable_thinking"]
         limit = self.engine.max_seq_len
         if len(prompt) + max_tokens > limit:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: more than "

@@ -49,7 +49,7 @@ def test_models_and_health(server, client):
 def test_plain_completion(client, server):
     r = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=9, temperature=0,
                                        extra_body=NO_THINK)
-    prompt = server.RequestHandlerClass.service.prompt(HELLO, False)
+    prompt = server.RequestHandlerClass.service.prompt(HELLO, {"enable_thinking": False})
     assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 9
     assert r.usage.total_tokens == len(prompt) + 9 and isinstance(r.choices[0].message.content, str)
@@ -71,6 +71,26 @@ def test_thinking_goes_to_reasoning_content(client):
     r = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=8, temperature=0)
     message = r.choices[0].message.model_dump()
     assert message.get("reasoning_content")  # a random model never closes </think>: it is all reasoning
+
+
+def test_thinking_and_effort_reach_the_chat_template(client, monkeypatch):
+    """enable_thinking and reasoning_effort, as the request's own fields or in chat_template_kwargs (vLLM's and
+    SGLang's way): what the template is rendered with, and thinking off gives no reasoning_content."""
+    from glm5_offload import server as server_module
+
+    seen, render = [], server_module.apply_template
+    monkeypatch.setattr(server_module, "apply_template", lambda t, m, **kw: seen.append(kw) or render(t, m, **kw))
+    for extra, template in (({}, {"enable_thinking": True}),
+                            ({"reasoning_effort": "high"}, {"enable_thinking": True, "reasoning_effort": "high"}),
+                            ({"chat_template_kwargs": {"enable_thinking": False, "reasoning_effort": "max"}},
+                             {"enable_thinking": False, "reasoning_effort": "max"}),
+                            ({"enable_thinking": False, "chat_template_kwargs": {"enable_thinking": False}},
+                             {"enable_thinking": False})):
+        seen.clear()
+        r = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=4, temperature=0,
+                                           extra_body=extra)
+        assert seen == [{"add_generation_prompt": True, **template}]
+        assert bool(r.choices[0].message.model_dump().get("reasoning_content")) == template["enable_thinking"]
 
 
 def test_stop_string_and_seed(client):
@@ -133,6 +153,14 @@ def post(server, body: bytes):
     (json.dumps({"messages": HELLO, "top_p": 1.5}).encode(), "top_p"),
     (json.dumps({"messages": HELLO, "stop": [1]}).encode(), "stop"),
     (json.dumps({"messages": HELLO, "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"messages": HELLO, "enable_thinking": "no"}).encode(), "enable_thinking"),
+    (json.dumps({"messages": HELLO, "reasoning_effort": "medium"}).encode(), "reasoning_effort"),
+    (json.dumps({"messages": HELLO, "chat_template_kwargs": {"reasoning_effort": 3}}).encode(), "chat_template_kwargs"),
+    (json.dumps({"messages": HELLO, "chat_template_kwargs": {"tools_in_system": True}}).encode(),
+     "chat_template_kwargs"),
+    (json.dumps({"messages": HELLO, "chat_template_kwargs": []}).encode(), "chat_template_kwargs"),
+    (json.dumps({"messages": HELLO, "enable_thinking": True,
+                 "chat_template_kwargs": {"enable_thinking": False}}).encode(), "enable_thinking"),
 ])
 def test_bad_requests(server, body, param):
     status, payload = post(server, body)
@@ -335,9 +363,9 @@ def test_client_gone_mid_stream_frees_the_engine(server, client):
         received += sock.recv(4096)
     sock.close()
     service = server.RequestHandlerClass.service
-    deadline = time.monotonic() + 120
+    deadline, prompt = time.monotonic() + 120, service.prompt(HELLO, {"enable_thinking": True})
     while time.monotonic() < deadline and (service.lock.locked() or service.last is None
-                                           or service.last.prompt_ids != service.prompt(HELLO, True)):
+                                           or service.last.prompt_ids != prompt):
         time.sleep(0.05)
     assert not service.lock.locked()
     assert service.last.stop_reason == "stop" and len(service.last.output_ids) < 3000
