@@ -3,3 +3,7 @@
 
 class Glm5Error(Exception):
     """A user-facing error: its message names the file, key or value at fault, on one line."""
+
+
+class ModelError(Glm5Error):
+    """The model failed on good input (its logits not finite): a broken checkpoint or kernel, not the user's input."""

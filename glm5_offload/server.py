@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from .chat import ROLES, ReplyStream, apply_template, split_reasoning
-from .errors import Glm5Error
+from .errors import Glm5Error, ModelError
 from .runtime.engine import Engine, SamplingParams
 from .runtime.saved_context import load_context, save_context
 from .util import check_writable
@@ -316,6 +316,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(200, self.service.complete(body))
         except RequestError as e:
             self._error(e.status, str(e), e.param, e.code)
+        except ModelError as e:  # the model failed, not the request
+            self._error(500, str(e))
         except Glm5Error as e:
             self._error(400, str(e))
 
@@ -360,7 +362,16 @@ class Handler(BaseHTTPRequestHandler):
                     return True
             return chunk({kind: text})
 
-        result = self.service.complete(body, emit)
+        try:
+            result = self.service.complete(body, emit)
+        except Glm5Error as e:
+            if not started:  # nothing sent yet: a JSON error of its own (do_POST's)
+                raise
+            send({"error": {"message": str(e), "type": "server_error" if isinstance(e, ModelError) else
+                            "invalid_request_error", "param": None, "code": None}})  # the stream ends with it
+            send("[DONE]")
+            self.close_connection = True
+            return
         if not first["sent"]:
             chunk({"role": "assistant", "content": ""})
         chunk({}, finish=result["choices"][0]["finish_reason"])

@@ -48,6 +48,20 @@ def test_sample_filters():
     assert draws(SamplingParams(temperature=1.0, top_p=0.81)) == {0, 1, 2}
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=1)])
+def test_logits_that_are_not_finite_are_a_model_error(bad, params):
+    """A NaN anywhere (or an inf on top) in the logits: a ModelError naming it, greedy or sampled, never a token
+    picked from them (argmax of NaNs was token 0) nor torch's multinomial traceback."""
+    from glm5_offload.errors import ModelError
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(2))
+    assert sample(logits, params, torch.Generator().manual_seed(0)) in range(300)
+    logits[123] = bad
+    with pytest.raises(ModelError, match=f"logits hold {bad}"):
+        sample(logits, params, torch.Generator().manual_seed(0))
+
+
 def test_stops_on_eos_and_streams_every_token(engine):
     assert engine.stop_ids == set(engine.model.config.eos_token_ids) and engine.stop_ids
     full = engine.generate(PROMPT, 12).output_ids

@@ -353,6 +353,34 @@ def test_unknown_route(server):
     assert e.value.code == 404
 
 
+def test_a_model_that_fails_mid_reply_gets_a_server_error(server, client, monkeypatch):
+    """Logits that are not finite (a broken checkpoint): a plain request gets a 500 server_error naming it; a stream
+    already under way ends with an error event and [DONE]; the server goes on."""
+    from glm5_offload.errors import ModelError
+    from glm5_offload.runtime import engine as engine_module
+
+    real, calls, fail_at = engine_module.sample, [], [1]
+
+    def failing(logits, params, generator):
+        calls.append(1)
+        if len(calls) == fail_at[0]:
+            raise ModelError("the model's next-token logits hold nan (not finite)")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", failing)
+    status, payload = post(server, json.dumps({"messages": HELLO, "max_tokens": 8}).encode())
+    assert status == 500 and payload["error"]["type"] == "server_error" and "nan" in payload["error"]["message"]
+    calls.clear()
+    fail_at[0] = 12  # after tokens have streamed
+    events = [json.loads(line[6:]) for line in urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
+        json.dumps({"messages": HELLO, "max_tokens": 16, "stream": True}).encode())).read().decode().split("\n\n")
+        if line.startswith("data: {")]
+    assert any("delta" in str(e) for e in events[:-1]) and events[-1]["error"]["type"] == "server_error"
+    monkeypatch.setattr(engine_module, "sample", real)
+    assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+
+
 def test_client_gone_mid_stream_frees_the_engine(server, client):
     body = json.dumps({"messages": HELLO, "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
     sock = socket.create_connection(server.server_address)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..errors import Glm5Error
+from ..errors import Glm5Error, ModelError
 from ..model import CausalLM
 from ..util import is_active, sync
 from .decode_graphs import DecodeGraphs, unsupported
@@ -46,9 +46,15 @@ def check_prompt(prompt_ids: list[int], max_new_tokens: int, vocab: int, max_seq
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [vocab] (fp32)."""
+    """One token id from logits [vocab] (fp32). Logits whose largest is not finite (NaN or inf: a weight or an
+    activation of the model) are a ModelError, not a token."""
+    best = logits.argmax()
+    best_id, top = torch.stack([best.double(), logits[best].double()]).tolist()  # one wait for both
+    if not math.isfinite(top):
+        raise ModelError(f"the model's next-token logits hold {top} (not finite): a weight of the checkpoint or an "
+                         "activation is NaN or overflows its dtype")
     if params.temperature == 0:
-        return int(logits.argmax())
+        return int(best_id)
     logits = logits / params.temperature
     if params.top_k:
         kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
