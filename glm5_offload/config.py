@@ -13,6 +13,7 @@ from pathlib import Path
 from .errors import Glm5Error
 
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "glm5_next")
+MAX_LAYERS, MAX_EXPERTS = 1024, 4096  # module counts taken (GLM-5: 78 layers, GLM-5.3-Flash: 288 experts a layer)
 TEXT_PREFIX = {"glm5_next": "model.language_model."}  # the multimodal release's text model; "model." elsewhere
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -154,10 +155,14 @@ class _Fields:
             self.fail(field, f"must be {wanted}, got {type(value).__name__} {value!r}")
         return float(value) if kind is float else value
 
-    def positive(self, field, default=..., kind=int):
+    def positive(self, field, default=..., kind=int, most=None):
+        """most: the largest value taken (a count of modules the model is built with: beyond it, a typo or a
+        hostile file would build the tree for minutes and exhaust memory)."""
         value = self.get(field, kind, default)
         if value is not None and value <= 0:
             self.fail(field, f"must be > 0, got {value}")
+        if value is not None and most is not None and value > most:
+            self.fail(field, f"{value} is more than {most}, the most this engine builds")
         return value
 
     def count(self, field, default=...):
@@ -292,7 +297,7 @@ def parse_config(raw: dict, path: str = "config.json") -> ModelConfig:
 
 def _parse_glm5_next(f: _Fields, outer: _Fields, prefix: str, path: str) -> ModelConfig:
     """GLM-5.3-Flash: the text model of the multimodal config (text_config), or a text-only config."""
-    n_layers = f.positive("num_hidden_layers")
+    n_layers = f.positive("num_hidden_layers", most=MAX_LAYERS)
     attention = _attention_types(f, n_layers)
     if f.get("qk_rope_head_dim", int, 0) != 0:
         f.fail("qk_rope_head_dim", "must be 0: GLM-5.3-Flash's sparse attention has no rope")
@@ -335,7 +340,7 @@ def _parse(f: _Fields, model_type: str, path: str, extra: dict | None = None) ->
         value = f.get(field, str, want)
         if value != want:
             f.fail(field, f"must be {want!r}, got {value!r}")
-    n_layers = f.positive("num_hidden_layers")
+    n_layers = f.positive("num_hidden_layers", most=MAX_LAYERS)
     heads = f.positive("num_attention_heads")
     kv_heads = f.positive("num_key_value_heads", heads)
     if kv_heads != heads:
@@ -344,7 +349,7 @@ def _parse(f: _Fields, model_type: str, path: str, extra: dict | None = None) ->
     index_head_dim = f.positive("index_head_dim")
     if index_head_dim < rope_dim:
         f.fail("index_head_dim", f"must be >= qk_rope_head_dim ({rope_dim}), got {index_head_dim}")
-    n_experts = f.positive("n_routed_experts")
+    n_experts = f.positive("n_routed_experts", most=MAX_EXPERTS)
     n_group, topk_group = f.positive("n_group", 1), f.positive("topk_group", 1)
     if n_experts % n_group or topk_group > n_group:
         f.fail("n_group", f"must divide n_routed_experts ({n_experts}) and be >= topk_group ({topk_group})")

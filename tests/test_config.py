@@ -94,7 +94,10 @@ def test_ill_typed_field(tmp_path, field, value):
     ("rms_norm_eps", float("nan"), "must be a finite number, got float nan"),
     ("routed_scaling_factor", float("inf"), "must be a finite number, got float inf"),
     ("first_k_dense_replace", -2, "must be >= 0, got -2"),
-    ("n_shared_experts", -1, "must be >= 0, got -1"), ("num_nextn_predict_layers", -1, "must be >= 0, got -1")])
+    ("n_shared_experts", -1, "must be >= 0, got -1"), ("num_nextn_predict_layers", -1, "must be >= 0, got -1"),
+    # counts of modules the tree is built with: a billion layers or experts took minutes and all memory to build
+    ("num_hidden_layers", 10**9, "1000000000 is more than 1024, the most this engine builds"),
+    ("n_routed_experts", 10**9, "1000000000 is more than 4096, the most this engine builds")])
 def test_out_of_range_field(tmp_path, field, value, why):
     assert f"'{field}' {why}" in error_of(raw(**{field: value}), tmp_path)
 
