@@ -348,6 +348,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.new_tokens < 2 and not args.prefill_only:  # the first comes from the prefill: no decode step to time
+        parser.error(f"--new-tokens must be >= 2 (decode is timed from the second new token), got {args.new_tokens}")
     counts = [int(n) for n in args.layers.split(",")]
     rules = load_rules(args.rules)
     if args.gpu_ring:
