@@ -188,7 +188,8 @@ def load_context(engine: Engine, path: str | Path) -> int:
     if n and (ids.min() < 0 or ids.max() >= engine.model.config.vocab_size):
         raise Glm5Error(f"{path}: token ids outside the vocabulary")
     ids = ids.tolist()
-    if meta.get("placement", placement_digest(engine)) != placement_digest(engine):  # (files before it: unchecked)
+    placement = placement_digest(engine)
+    if meta.get("placement", placement) != placement:  # (files written before it: unchecked)
         log.warning("%s: saved under another placement (rules, formats, operators, devices or dtype): its rows "
                     "resume as computed there; a fresh prefill under this one would round differently", path)
     with warnings.catch_warnings():
