@@ -302,9 +302,12 @@ def cmd_rules_show(args):
 def cmd_rules_operators(args):
     from glm5_offload.ops import REGISTRY
 
+    name = max(len(op.name) for op in REGISTRY.values())
+    module = max(len(op.replaces.__name__) for op in REGISTRY.values())
     for op in REGISTRY.values():
         kwargs = f"; kwargs: {', '.join(op.kwargs)}" if op.kwargs else ""
-        print(f"{op.name:<22} replaces {op.replaces.__name__:<10} on {'/'.join(op.devices):<9} {op.summary}{kwargs}")
+        print(f"{op.name:<{name}}  replaces {op.replaces.__name__:<{module}}  on {'/'.join(op.devices):<9} "
+              f"{op.summary}{kwargs}")
 
 
 def cmd_plan(args):
@@ -467,6 +470,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\nglm5: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader has gone (`glm5 generate ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush finds no pipe either)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -231,6 +231,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
+    """`glm5 generate ... | head -c 1`: the pipe closed under the streamed reply stops the command with SIGPIPE's
+    exit status and no traceback (there was one from the reply's print)."""
+    proc = subprocess.Popen([sys.executable, "-m", "glm5_offload.cli", "generate", "--prompt-ids", "5,6,7",
+                             "--max-new-tokens", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env({"XDG_CACHE_HOME": str(tmp_path)}))
+    assert len(proc.stdout.read(1)) == 1
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in stderr and "Error" not in stderr, stderr
+
+
 def test_fp8_cache_and_small_prefill_chunks(tmp_path):
     """--kv-dtype fp8 (656 B-form rows, 132 B keys) and --prefill-chunk: the same greedy start as the default."""
     env = {"XDG_CACHE_HOME": str(tmp_path)}
