@@ -1,6 +1,7 @@
 """The `glm5` command (installed as glm5_offload.cli)."""
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -473,6 +474,12 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # stdout's reader has gone (`glm5 generate ... | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush finds no pipe either)
         return 128 + signal.SIGPIPE
+    except OSError as e:  # a full disk under the output (`> file`) or anything else written
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"glm5: error: cannot write {e.filename or 'the output'}: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

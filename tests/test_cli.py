@@ -243,6 +243,15 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     assert proc.wait(timeout=300) == 141 and "Traceback" not in stderr and "Error" not in stderr, stderr
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_output_to_a_full_disk_is_one_line():
+    """`glm5 ... > file` on a full disk (/dev/full): one error line and exit 2, no traceback."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "rules", "operators"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=cli_env())
+    assert proc.returncode == 2 and proc.stderr == "glm5: error: cannot write the output: No space left on device\n"
+
+
 def test_fp8_cache_and_small_prefill_chunks(tmp_path):
     """--kv-dtype fp8 (656 B-form rows, 132 B keys) and --prefill-chunk: the same greedy start as the default."""
     env = {"XDG_CACHE_HOME": str(tmp_path)}
