@@ -158,6 +158,9 @@ def _check_context_files(save: str | None, load: str | None):
         raise Glm5Error(f"--load-context {load}: not a file (missing, or a folder)")
 
 
+MAX_PROMPT_BYTES = 64 << 20
+
+
 def _prompt_text(args) -> str | None:
     """--prompt's text, or --prompt-file's (- for standard input; a long document does not fit a command line, whose
     arguments Linux caps at 128 KiB each), checked as UTF-8 before any weight is read; None with --prompt-ids."""
@@ -170,9 +173,16 @@ def _prompt_text(args) -> str | None:
     if args.prompt_file is None:
         return None
     try:
-        data = sys.stdin.buffer.read() if args.prompt_file == "-" else Path(args.prompt_file).read_bytes()
+        if args.prompt_file == "-":
+            data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        else:
+            with open(args.prompt_file, "rb") as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)
     except OSError as e:
         raise Glm5Error(f"--prompt-file {args.prompt_file}: cannot read it ({e.strerror})") from None
+    if len(data) > MAX_PROMPT_BYTES:  # (/dev/zero, a disk image: read whole, they would take all memory)
+        raise Glm5Error(f"--prompt-file {args.prompt_file}: more than {MAX_PROMPT_BYTES >> 20} MiB, beyond any "
+                        "model's context (a million tokens of text are about 4 MiB)")
     try:
         return data.decode("utf-8-sig")  # a byte-order mark, as some editors write, is not text
     except UnicodeDecodeError as e:

@@ -159,6 +159,10 @@ def test_prompt_file_errors(tiny_dir, tmp_path):
         assert proc.returncode == 2 and len(errors) == 1 and needle.format(tmp_path / name) in errors[0], proc.stderr
     tokens = int(re.search(r"prompt of (\d+) tokens", errors[0]).group(1))
     assert tokens > 40000 and (tmp_path / "book.txt").stat().st_size > 128 << 10
+    if Path("/dev/zero").exists():  # endless: read to 64 MiB and refused, not read until memory runs out
+        proc = glm5("generate", "--model", tiny_dir(), "--prompt-file", "/dev/zero", check=False, timeout=120)
+        assert proc.returncode == 2 and "--prompt-file /dev/zero: more than 64 MiB, beyond any model's context" in (
+            proc.stderr)
 
 
 def test_flash_generate_takes_its_family_default_rules(tmp_path):
