@@ -55,6 +55,9 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
     return (reasoning, content.lstrip("\n")) if sep else (text, "")
 
 
+MAX_CONVERSATION_BYTES = 256 << 20  # a saved conversation of a million-token context is a few MiB
+
+
 @dataclass
 class Conversation:
     engine: Engine
@@ -131,8 +134,12 @@ class Conversation:
         """The conversation saved at path, and its cache beside it where this engine can resume it; what became of
         the cache, in words."""
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONVERSATION_BYTES + 1)
+            if len(raw) > MAX_CONVERSATION_BYTES:  # (/dev/zero: read whole, it would take all memory)
+                raise Glm5Error(f"{path}: cannot read a saved conversation (more than "
+                                f"{MAX_CONVERSATION_BYTES >> 20} MiB)")
+            data = json.loads(raw.decode("utf-8"))
         except OSError as e:
             raise Glm5Error(f"{path}: cannot read a saved conversation ({e.strerror})") from None
         except UnicodeDecodeError as e:

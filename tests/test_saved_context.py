@@ -8,6 +8,7 @@ import re
 import shutil
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,6 +218,9 @@ def test_chat_save_and_load_keep_the_cache(tiny_dir, tmp_path):
     empty.save(str(tmp_path / "empty.json"))
     assert empty.load(str(tmp_path / "empty.json")) == "0 cached tokens resumed" and empty.messages == []
     assert len(empty.ask("Hello again.").result.output_ids) == 6
+    if Path("/dev/zero").exists():  # endless: refused after 256 MiB, not read until memory runs out
+        with pytest.raises(Glm5Error, match="/dev/zero: cannot read a saved conversation \\(more than 256 MiB\\)"):
+            empty.load("/dev/zero")
 
 
 def post(port, body):
