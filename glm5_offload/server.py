@@ -9,8 +9,10 @@ OpenAI error shape, for every method and route; a body over MAX_BODY bytes, or o
 TIMEOUT seconds, is refused.
 """
 
+import ipaddress
 import json
 import math
+import socket
 import threading
 import time
 import uuid
@@ -404,20 +406,34 @@ def make_server(engine: Engine, tokenizer, model_id: str, host: str = "127.0.0.1
                 print(f"glm5 serve: not resuming: {e}", flush=True)
     service = Service(engine, tokenizer, model_id, max_new_tokens, defaults, context_file)
     handler = type("BoundHandler", (Handler,), {"service": service})
+    ipv6 = ":" in host  # an IPv6 address (::1, ::): http.server's class listens on IPv4 only
+    server_class = type("Server6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}) if ipv6 else \
+        ThreadingHTTPServer
     try:
-        server = ThreadingHTTPServer((host, port), handler)
+        server = server_class((host, port), handler)
     except OSError as e:
         raise Glm5Error(f"cannot listen on {host}:{port} ({e.strerror})") from None
     server.daemon_threads = True
     return server
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may stand for any address
+        return False
+
+
 def serve(engine: Engine, tokenizer, model_id: str, host: str, port: int, max_new_tokens: int,
           defaults: SamplingParams, random_weights: bool, context_dir: Path | None = None):
     server = make_server(engine, tokenizer, model_id, host, port, max_new_tokens, defaults, context_dir)
     note = " (the embedded tiny model: random weights)" if random_weights else ""
-    print(f"glm5 serve: {model_id}{note} on http://{host}:{server.server_address[1]}/v1 "
+    where = f"[{host}]" if ":" in host else host
+    print(f"glm5 serve: {model_id}{note} on http://{where}:{server.server_address[1]}/v1 "
           "(POST /v1/chat/completions, GET /v1/models, GET /health); Ctrl-C stops", flush=True)
+    if not is_loopback(host):
+        print(f"glm5 serve: warning: {host} is not loopback only: whoever can reach this machine on port "
+              f"{server.server_address[1]} can use the model (no API key is checked)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -40,6 +40,30 @@ HELLO = [{"role": "user", "content": "Hello! How are you?"}]
 NO_THINK = {"enable_thinking": False}
 
 
+def test_an_ipv6_address_and_which_addresses_are_loopback(server):
+    """--host ::1 listens on IPv6 (http.server's class is IPv4 only); serve warns where the address is not
+    loopback (no API key is checked)."""
+    from glm5_offload.server import is_loopback
+
+    assert all(map(is_loopback, ("127.0.0.1", "127.0.0.2", "::1", "localhost")))
+    assert not any(map(is_loopback, ("0.0.0.0", "::", "192.168.1.5", "example.org")))
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here ({e.strerror})")
+    service = server.RequestHandlerClass.service
+    six = make_server(service.engine, service.tokenizer, "tiny-glm5", "::1", 0)
+    thread = threading.Thread(target=six.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with urllib.request.urlopen(f"http://[::1]:{six.server_address[1]}/health", timeout=30) as r:
+            assert json.load(r) == {"status": "ok"}
+    finally:
+        six.shutdown()
+        six.server_close()
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny-glm5"]
     with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/health") as r:
