@@ -217,7 +217,26 @@ class ReplyStream:
             self.on_text(piece, reasoning)
 
 
-def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True, inp=input, out=sys.stdout):
+MAX_LINE = 64 << 20  # characters of one piped line (as --prompt-file's bytes)
+
+
+def read_line(prompt: str) -> str:
+    """input(), but from a standard input that is not a terminal a line of at most MAX_LINE characters: one without
+    an end (/dev/zero) is refused instead of read until memory runs out."""
+    if sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = sys.stdin.readline(MAX_LINE + 1)
+    if not line:
+        raise EOFError
+    if len(line) > MAX_LINE:
+        raise Glm5Error(f"standard input: a line of more than {MAX_LINE >> 20} Mi characters (chat takes a message a "
+                        "line)")
+    return line.removesuffix("\n")
+
+
+def run_chat(conversation: Conversation, banner: str, show_thinking: bool = True, inp=read_line, out=sys.stdout):
     """The read-eval-print loop of `glm5 chat`."""
     try:
         import readline  # noqa: F401  (line editing and history for input())

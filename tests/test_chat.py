@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -226,6 +227,18 @@ def test_a_turn_the_chat_template_refuses_keeps_the_session(tiny_dir, tmp_path):
     out = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert "error: the chat template failed: TemplateError: no boom" in out and "turns 1," in out
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_a_piped_line_without_an_end_is_refused(tiny_dir):
+    """Standard input that never ends its line (/dev/zero): one error line and exit 2 once a line passes 64 Mi
+    characters, not a read until memory runs out."""
+    with open("/dev/zero", "rb") as zero:
+        done = subprocess.run([sys.executable, "-m", "glm5_offload.cli", "chat", "--model", str(tiny_dir())],
+                              stdin=zero, capture_output=True, env=cli_env({}), timeout=300)
+    errors = [line for line in done.stderr.decode().splitlines() if line.startswith("glm5: error:")]
+    assert done.returncode == 2 and errors == ["glm5: error: standard input: a line of more than 64 Mi characters "
+                                               "(chat takes a message a line)"]
 
 
 def test_piped_lines_that_are_not_utf8_or_beyond_the_context(tiny_dir):
