@@ -482,14 +482,19 @@ def main(argv=None) -> int:
         print("\nglm5: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout's reader has gone (`glm5 generate ... | head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush finds no pipe either)
+        _drop_stdout()
         return 128 + signal.SIGPIPE
     except OSError as e:  # a full disk under the output (`> file`) or anything else written
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
             raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         print(f"glm5: error: cannot write {e.filename or 'the output'}: {e.strerror}", file=sys.stderr)
         return 2
+
+
+def _drop_stdout():
+    """stdout to /dev/null: the interpreter's flush at exit then finds no broken pipe or full disk to report."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

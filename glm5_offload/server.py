@@ -166,6 +166,18 @@ def template_kwargs(body: dict) -> dict:
     return {"enable_thinking": True, **kwargs}
 
 
+def error_status(e: Glm5Error) -> int:
+    """A request's failure as an HTTP status: the model's own (ModelError) 500, the request's (its messages the
+    chat template refused) 400."""
+    return 500 if isinstance(e, ModelError) else 400
+
+
+def error_body(status: int, message: str, param=None, code=None) -> dict:
+    """OpenAI's error object: a request's fault below 500, the server's from 500."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class Service:
     """The engine behind the endpoint, one request at a time."""
 
@@ -261,8 +273,7 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _error(self, status: int, message: str, param=None, code=None):
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": code}})
+        self._json(status, error_body(status, message, param, code))
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals (an unknown method, a header line too long, ...) as JSON errors too."""
@@ -318,10 +329,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(200, self.service.complete(body))
         except RequestError as e:
             self._error(e.status, str(e), e.param, e.code)
-        except ModelError as e:  # the model failed, not the request
-            self._error(500, str(e))
         except Glm5Error as e:
-            self._error(400, str(e))
+            self._error(error_status(e), str(e))
 
     def _stream(self, body):
         parse_request(body, self.service.max_new_tokens, self.service.defaults,
@@ -369,8 +378,7 @@ class Handler(BaseHTTPRequestHandler):
         except Glm5Error as e:
             if not started:  # nothing sent yet: a JSON error of its own (do_POST's)
                 raise
-            send({"error": {"message": str(e), "type": "server_error" if isinstance(e, ModelError) else
-                            "invalid_request_error", "param": None, "code": None}})  # the stream ends with it
+            send(error_body(error_status(e), str(e)))  # the stream ends with it
             send("[DONE]")
             self.close_connection = True
             return
@@ -428,7 +436,7 @@ def serve(engine: Engine, tokenizer, model_id: str, host: str, port: int, max_ne
           defaults: SamplingParams, random_weights: bool, context_dir: Path | None = None):
     server = make_server(engine, tokenizer, model_id, host, port, max_new_tokens, defaults, context_dir)
     note = " (the embedded tiny model: random weights)" if random_weights else ""
-    where = f"[{host}]" if ":" in host else host
+    where = f"[{host}]" if server.address_family == socket.AF_INET6 else host
     print(f"glm5 serve: {model_id}{note} on http://{where}:{server.server_address[1]}/v1 "
           "(POST /v1/chat/completions, GET /v1/models, GET /health); Ctrl-C stops", flush=True)
     if not is_loopback(host):
