@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="real dims of this config (glm-5, glm-5.2, deepseek-v3.2, or a config.json), "
                                     "cut to --layers layers, with the tiny vocabulary")
     p.add_argument("--layers", type=int, default=None, help="with --preset: decoder layers (the first dense; default 4)")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it exists and is not empty")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a checkpoint (only its kinds of files)")
     p.set_defaults(func=cmd_make_tiny)
 
     def engine_args(p, temperature: float, top_p: float, max_new_tokens: int):

@@ -265,13 +265,25 @@ def stored_bytes(name: str, shape: tuple, fp8: bool) -> int:
     return torch.Size(shape).numel() * (4 if keeps_fp32(name) else 2)
 
 
+CHECKPOINT_SUFFIXES = {".safetensors", ".json", ".jinja", ".txt", ".model", ".md"}  # weights, configs, tokenizers
+
+
 def check_out_dir(out_dir: Path, overwrite: bool, needed: int) -> None:
     """A folder make_tiny may write: new or empty (or, with overwrite, a folder to replace), on a disk with room for
-    `needed` bytes. Never a file, never someone's folder replaced unasked."""
+    `needed` bytes. Never a file, never someone's folder replaced unasked, never a folder of anything but a
+    checkpoint's files replaced at all."""
     if out_dir.exists() and not out_dir.is_dir():
         raise Glm5Error(f"{out_dir}: exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise Glm5Error(f"{out_dir}: the folder is not empty; make-tiny writes a new one (--overwrite replaces it)")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise Glm5Error(f"{out_dir}: the folder is not empty; make-tiny writes a new one (--overwrite replaces it)")
+        if out_dir.is_symlink():
+            raise Glm5Error(f"{out_dir}: is a link; --overwrite replaces a folder, not what a link points to")
+        other = next((p for p in sorted(out_dir.iterdir()) if not p.is_file() or p.suffix not in CHECKPOINT_SUFFIXES),
+                     None)
+        if other is not None:  # `--overwrite` on ~ or a project folder must not delete it
+            raise Glm5Error(f"{out_dir}: holds {other.name}, which is not a checkpoint's file; --overwrite replaces "
+                            "only a folder of checkpoint files")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

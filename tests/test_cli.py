@@ -51,8 +51,18 @@ def test_make_tiny_never_replaces_a_folder_unasked(tmp_path):
             make_tiny(target)
         assert str(refused.value) == f"{target}: {error}"
     assert (folder / "weights.bin").read_bytes() == b"precious" and (tmp_path / "afile").read_text() == "x"
+    (tmp_path / "link").symlink_to(folder)
+    for target, error in ((folder, "holds weights.bin, which is not a checkpoint's file; --overwrite replaces only a "
+                                   "folder of checkpoint files"),
+                          (tmp_path / "link", "is a link; --overwrite replaces a folder, not what a link points to")):
+        proc = glm5("make-tiny", target, "--overwrite", check=False)  # `glm5 make-tiny ~ --overwrite` deletes nothing
+        assert proc.returncode == 2 and proc.stderr.strip() == f"glm5: error: {target}: {error}"
+    assert (folder / "weights.bin").read_bytes() == b"precious"
+    (folder / "weights.bin").unlink()
+    (folder / "model.safetensors").write_bytes(b"an older checkpoint")
+    (folder / "config.json").write_text("{}")
     glm5("make-tiny", folder, "--overwrite")
-    assert not (folder / "weights.bin").exists() and (folder / "config.json").is_file()
+    assert not (folder / "model.safetensors").exists() and (folder / "model.safetensors.index.json").is_file()
 
 
 @pytest.mark.parametrize("args, error", [
