@@ -47,8 +47,13 @@ def _tokenizer(model_dir: Path, required: bool):
 
 
 def _prompt_ids(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        return []  # refused as an empty prompt
+    if "" in parts:  # `1,,2` lost an id somewhere: not read as 1,2
+        raise Glm5Error(f"--prompt-ids: {text!r} has an empty entry (entry {parts.index('') + 1})")
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise Glm5Error(f"--prompt-ids: {text!r} is not a comma-separated list of integers") from None
 

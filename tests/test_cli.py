@@ -223,6 +223,7 @@ def test_default_model_is_created_on_first_use_and_says_it_is_random(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "/nonexistent/model: no such model directory"),
     (["generate", "--prompt-ids", "1,x,3"], "--prompt-ids"),
+    (["generate", "--prompt-ids", "1,,3"], "--prompt-ids: '1,,3' has an empty entry (entry 2)"),
     (["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", 10, "--max-seq-len", 8], "exceeds max_seq_len 8"),
     (["generate", "--prompt-ids", "1,2,3", "--prefill-chunk", 0], "--prefill-chunk must be >= 1"),
     (["generate", "--prompt-ids", "1,2", "--temperature", "nan"], "temperature must be a number >= 0, got nan"),
