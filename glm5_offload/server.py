@@ -136,6 +136,12 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
     return messages, params, max_tokens, stop or [], body.get("stream", False), template_kwargs(body)
 
 
+def stop_prefix(text: str, stop: list[str]) -> int:
+    """How many of text's last characters begin one of the stop strings (0 if none): a stream holds them back."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                if s[k - 1] == text[-1] and text.endswith(s[:k])), default=0)
+
+
 EFFORTS = ("max", "high")  # GLM-5's chat template's reasoning_effort
 
 
@@ -209,7 +215,12 @@ class Service:
         if len(prompt) + max_tokens > limit:
             raise RequestError(400, f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: more than "
                                     f"the context limit of {limit} tokens", "messages", "context_length_exceeded")
-        state = {"text": "", "stopped": False, "gone": False}
+        state = {"text": "", "sent": 0, "stopped": False, "gone": False}  # sent: characters of text emitted
+
+        def send_content(upto: int):
+            piece, state["sent"] = state["text"][state["sent"] : upto], upto
+            if piece and emit is not None and emit("content", piece):
+                state["gone"] = True
 
         def on_text(piece: str, reasoning: bool):
             if reasoning:
@@ -219,10 +230,10 @@ class Service:
             state["text"] += piece
             cut = min((i for i in (state["text"].find(s) for s in stop) if i >= 0), default=-1)
             if cut >= 0:  # a stop string: keep the text before it, end here
-                piece = piece[: max(0, len(piece) - (len(state["text"]) - cut))]
                 state["text"], state["stopped"] = state["text"][:cut], True
-            if piece and emit is not None and emit("content", piece):
-                state["gone"] = True
+                send_content(cut)
+            else:  # what may be a stop string's start waits for the next piece
+                send_content(len(state["text"]) - stop_prefix(state["text"], stop))
 
         stream = ReplyStream(self.tokenizer, self.engine.stop_ids, thinking, on_text)
 
@@ -233,6 +244,7 @@ class Service:
         with self.lock:
             result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
             stream.flush()
+            send_content(len(state["text"]))  # a stop string's start that never finished
             self.keep_context(result)
         reply = [t for t in result.output_ids if t not in self.engine.stop_ids]
         reasoning, content = split_reasoning(self.tokenizer.decode(reply), thinking)

@@ -1,5 +1,6 @@
 """glm5 serve through the official openai client: plain and streamed, queueing, prefix reuse, errors."""
 
+import itertools
 import json
 import socket
 import threading
@@ -127,6 +128,26 @@ def test_stop_string_and_seed(client):
     cut = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=16, temperature=1.0, seed=3,
                                          stop=stop, extra_body=NO_THINK)
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == base[: base.find(stop)]
+
+
+def test_a_stream_never_sends_the_start_of_a_stop_string(client):
+    """A stop string that spans two pieces of the reply: the stream holds its first piece's end back until the next
+    shows it is the stop (sent only what the plain reply has); a stop string's start that never finishes is sent at
+    the end."""
+    kw = dict(model="tiny-glm5", messages=HELLO, max_tokens=16, temperature=1.0, seed=3, extra_body=NO_THINK)
+
+    def streamed(**more):
+        return [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw, **more)
+                if c.choices and c.choices[0].delta.content]
+
+    pieces = streamed()
+    text = "".join(pieces)
+    ends = list(itertools.accumulate(map(len, pieces)))[:-1]
+    at = next(e for e in ends if text.find(text[e - 1 : e + 1]) == e - 1)  # the stop's first occurrence spans e
+    stop = text[at - 1 : at + 1]
+    assert "".join(streamed(stop=stop)) == text[: at - 1]
+    assert client.chat.completions.create(**kw, stop=stop).choices[0].message.content == text[: at - 1]
+    assert "".join(streamed(stop=[text[-1] + "\x00never"])) == text
 
 
 def test_extending_the_conversation_reuses_its_prefix(client, server):
