@@ -2,8 +2,9 @@
 
 POST /v1/chat/completions (plain JSON, or server-sent events with "stream": true), GET /v1/models,
 GET /health. Requests queue on a lock and run one at a time; the engine's cache carries over, so a
-request that extends the previous conversation prefills only what is new. A client that goes away
-mid-stream stops its generation at the next token. Text only: fields that would change the reply and are not
+request that extends the previous conversation prefills only what is new. A client that goes away (a stream, or a
+plain request whose client timed out) stops its generation at the next token; one that left while queued is never
+run. Text only: fields that would change the reply and are not
 implemented (tools, JSON mode, log probabilities, penalties) are refused, never dropped. Errors are JSON with the
 OpenAI error shape, for every method and route; a body over MAX_BODY bytes, or one that does not arrive within
 TIMEOUT seconds, is refused.
@@ -12,6 +13,7 @@ TIMEOUT seconds, is refused.
 import ipaddress
 import json
 import math
+import select
 import socket
 import threading
 import time
@@ -206,8 +208,10 @@ class Service:
         text = apply_template(self.tokenizer, messages, add_generation_prompt=True, **template)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def complete(self, body, emit=None) -> dict:
-        """Run one request; emit(kind, text) gets the reply as it streams, and its return True stops it."""
+    def complete(self, body, emit=None, gone=lambda: False) -> dict:
+        """Run one request; emit(kind, text) gets the reply as it streams, and its return True stops it; gone()
+        says the client has left (checked when the request's turn comes and after each token: a client that timed
+        out does not hold the engine for the rest of its reply)."""
         messages, params, max_tokens, stop, _, template = parse_request(body, self.max_new_tokens, self.defaults,
                                                                         self.model_id)
         prompt, thinking = self.prompt(messages, template), template["enable_thinking"]
@@ -239,9 +243,12 @@ class Service:
 
         def on_token(token_id):
             stream(token_id)
+            state["gone"] = state["gone"] or gone()
             return state["stopped"] or state["gone"]
 
         with self.lock:
+            if gone():
+                raise RequestError(499, "the client closed its connection before its request ran")
             result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
             stream.flush()
             send_content(len(state["text"]))  # a stop string's start that never finished
@@ -283,6 +290,13 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):  # the client has gone: nobody to answer
             self.close_connection = True
+
+    def _client_gone(self) -> bool:
+        """The client has closed its connection: readable, with nothing to read (a pipelined request is data)."""
+        try:
+            return bool(select.select([self.connection], [], [], 0)[0]) and not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
 
     def _error(self, status: int, message: str, param=None, code=None):
         self._json(status, error_body(status, message, param, code))
@@ -338,7 +352,7 @@ class Handler(BaseHTTPRequestHandler):
             if isinstance(body, dict) and body.get("stream") is True:
                 self._stream(body)
             else:
-                self._json(200, self.service.complete(body))
+                self._json(200, self.service.complete(body, gone=self._client_gone))
         except RequestError as e:
             self._error(e.status, str(e), e.param, e.code)
         except Glm5Error as e:
@@ -386,7 +400,7 @@ class Handler(BaseHTTPRequestHandler):
             return chunk({kind: text})
 
         try:
-            result = self.service.complete(body, emit)
+            result = self.service.complete(body, emit, self._client_gone)
         except Glm5Error as e:
             if not started:  # nothing sent yet: a JSON error of its own (do_POST's)
                 raise

@@ -426,6 +426,51 @@ def test_a_model_that_fails_mid_reply_gets_a_server_error(server, client, monkey
     assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_plain_request_whose_client_left_stops(server, client, monkeypatch):
+    """A client that times out and closes its connection (as clients do, then retry): its plain request stops at
+    the next token, and one that left while queued never runs; the server goes on."""
+    service = server.RequestHandlerClass.service
+    ran, generate = [], service.engine.generate
+
+    def recorded_run(prompt, *a, **kw):
+        ran.append(prompt)
+        return generate(prompt, *a, **kw)
+
+    monkeypatch.setattr(service.engine, "generate", recorded_run)
+    ended, complete = [], service.complete
+
+    def recorded(*a, **kw):
+        try:
+            return complete(*a, **kw)
+        finally:
+            ended.append(1)
+
+    monkeypatch.setattr(service, "complete", recorded)
+
+    def send_and_leave(content, max_tokens):
+        body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        with socket.create_connection(server.server_address) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.5)  # read by the server, then the client gives up
+        return service.prompt([{"role": "user", "content": content}], {"enable_thinking": True})
+
+    prompt = send_and_leave("a long answer nobody waits for", 3000)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (service.lock.locked() or service.last is None
+                                           or service.last.prompt_ids != prompt):
+        time.sleep(0.05)
+    assert service.last.prompt_ids == prompt and service.last.stop_reason == "stop"
+    assert len(service.last.output_ids) < 3000
+    with service.lock:  # a request queued behind another, whose client leaves before its turn
+        queued = send_and_leave("queued, then gone", 8)
+    while time.monotonic() < deadline and len(ended) < 2:
+        time.sleep(0.05)
+    assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+    assert queued not in ran and len(ran) == 2
+
+
 def test_client_gone_mid_stream_frees_the_engine(server, client):
     body = json.dumps({"messages": HELLO, "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
     sock = socket.create_connection(server.server_address)
