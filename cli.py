@@ -47,8 +47,13 @@ def _tokenizer(model_dir: Path, required: bool):
 
 
 def _prompt_ids(text: str) -> list[int]:
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        return []  # refused as an empty prompt
+    if "" in parts:  # `1,,2` lost an id somewhere: not read as 1,2
+        raise Glm5Error(f"--prompt-ids: {text!r} has an empty entry (entry {parts.index('') + 1})")
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise Glm5Error(f"--prompt-ids: {text!r} is not a comma-separated list of integers") from None
 
@@ -359,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="real dims of this config (glm-5, glm-5.2, deepseek-v3.2, or a config.json), "
                                     "cut to --layers layers, with the tiny vocabulary")
     p.add_argument("--layers", type=int, default=None, help="with --preset: decoder layers (the first dense; default 4)")
-    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds a checkpoint (only its kinds of files)")
+    p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds only checkpoint files")
     p.set_defaults(func=cmd_make_tiny)
 
     def engine_args(p, temperature: float, top_p: float, max_new_tokens: int):
