@@ -4,10 +4,9 @@ POST /v1/chat/completions (plain JSON, or server-sent events with "stream": true
 GET /health. Requests queue on a lock and run one at a time; the engine's cache carries over, so a
 request that extends the previous conversation prefills only what is new. A client that goes away (a stream, or a
 plain request whose client timed out) stops its generation at the next token; one that left while queued is never
-run. Text only: fields that would change the reply and are not
-implemented (tools, JSON mode, log probabilities, penalties) are refused, never dropped. Errors are JSON with the
-OpenAI error shape, for every method and route; a body over MAX_BODY bytes, or one that does not arrive within
-TIMEOUT seconds, is refused.
+run. Text only: fields that would change the reply and are not implemented (tools, JSON mode, log probabilities,
+penalties) are refused, never dropped. Errors are JSON with the OpenAI error shape, for every method and route; a
+body over MAX_BODY bytes, or one that does not arrive within TIMEOUT seconds, is refused.
 """
 
 import ipaddress
@@ -227,6 +226,8 @@ class Service:
                 state["gone"] = True
 
         def on_text(piece: str, reasoning: bool):
+            if state["stopped"]:  # what the stream flushes after a stop string is past the reply's end
+                return
             if reasoning:
                 if emit is not None and emit("reasoning_content", piece):
                     state["gone"] = True

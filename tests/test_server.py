@@ -150,6 +150,30 @@ def test_a_stream_never_sends_the_start_of_a_stop_string(client):
     assert "".join(streamed(stop=[text[-1] + "\x00never"])) == text
 
 
+def test_nothing_of_the_reply_after_a_stop_string(client, monkeypatch):
+    """What the reply's stream still holds when a stop string ends it (a character's first bytes, flushed at the
+    end) is past the reply's end: neither the plain reply nor the stream has it."""
+    from glm5_offload import server as server_module
+
+    class HoldingBack(server_module.ReplyStream):
+        def flush(self):
+            self.on_text("HELD", False)
+            super().flush()
+
+    monkeypatch.setattr(server_module, "ReplyStream", HoldingBack)
+    kw = dict(model="tiny-glm5", messages=HELLO, max_tokens=16, temperature=1.0, seed=3, extra_body=NO_THINK)
+
+    def streamed(**more):
+        chunks = client.chat.completions.create(stream=True, **kw, **more)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    base = client.chat.completions.create(**kw).choices[0].message.content
+    assert streamed() == base + "HELD"  # (the plain reply is decoded whole, not from the stream)
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    assert client.chat.completions.create(**kw, stop=stop).choices[0].message.content == base[: base.find(stop)]
+    assert streamed(stop=stop) == base[: base.find(stop)]
+
+
 def test_extending_the_conversation_reuses_its_prefix(client, server):
     first = client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=6, temperature=0,
                                            extra_body=NO_THINK)
