@@ -98,15 +98,20 @@ class Conversation:
             raise Glm5Error(f"the conversation would be {len(prompt)} tokens and the reply up to {self.max_new_tokens}: "
                             f"more than the context of {limit} tokens (--max-seq-len){hint}")
         stream = ReplyStream(self.tokenizer, self.engine.stop_ids, self.thinking, on_text)
+        shown = []  # the reply's tokens as they came
+
+        def on_token(token_id):
+            shown.append(token_id)
+            return stream(token_id)
+
         interrupted = False
         started = time.perf_counter()
         try:
-            result = self.engine.generate(prompt, self.max_new_tokens, self.params, on_token=stream)
+            result = self.engine.generate(prompt, self.max_new_tokens, self.params, on_token=on_token)
             stream.flush()
-        except KeyboardInterrupt:  # what was run through the model stays: the cache holds it
+        except KeyboardInterrupt:  # the reply so far stays in the conversation; the cache keeps what it can
             interrupted = True
-            fed = self.engine.cache_ids[len(prompt):] if self.engine.cache_ids[: len(prompt)] == prompt else []
-            result = GenerationResult(prompt_ids=prompt, output_ids=fed, stop_reason="interrupted",
+            result = GenerationResult(prompt_ids=prompt, output_ids=shown, stop_reason="interrupted",
                                       decode_seconds=time.perf_counter() - started)
         reply = [t for t in result.output_ids if t not in self.engine.stop_ids]
         reasoning, content = split_reasoning(self.tokenizer.decode(reply), self.thinking)

@@ -148,6 +148,40 @@ def test_flash_second_turn_continues_the_kda_state(tmp_path):
     assert term.quit() == 0
 
 
+def test_ctrl_c_in_a_flash_reply_keeps_what_was_shown(tiny_dir):
+    """Ctrl-C inside a pass of a GLM-5.3-Flash reply: the KDA states go back to the resume point (the cache holds
+    less than the conversation), the reply shown so far stays in the conversation, and the next turn runs on it."""
+    from transformers import AutoTokenizer
+
+    from glm5_offload.chat import Conversation
+    from glm5_offload.loader import load_model
+    from glm5_offload.model.kda import KDA
+    from glm5_offload.runtime.engine import Engine, SamplingParams
+
+    path = tiny_dir("glm5_next")
+    model, tokenizer = load_model(path), AutoTokenizer.from_pretrained(str(path))
+
+    engine = Engine(model, max_seq_len=512, cuda_graphs=False)
+    engine.stop_ids = set()
+    chat = Conversation(engine, tokenizer, SamplingParams(temperature=0), max_new_tokens=24, thinking=False)
+    shown = []
+
+    def cut(module, args):  # Ctrl-C inside a decode step's pass, in its second KDA layer, once two pieces are shown
+        if len(shown) >= 2:
+            raise KeyboardInterrupt
+
+    hook = [m for m in model.modules() if isinstance(m, KDA)][1].register_forward_pre_hook(cut)
+    try:
+        turn = chat.ask("Tell me a story", on_text=lambda piece, reasoning: shown.append(piece))
+    finally:
+        hook.remove()
+    assert turn.interrupted and turn.content == "".join(shown).lstrip("\n") and len(shown) == 2
+    said = turn.result.prompt_ids + turn.result.output_ids
+    assert chat.history_ids == said and len(engine.cache_ids) < len(turn.result.prompt_ids)  # at the resume point
+    second = chat.ask("Go on").result  # (that it decodes a fresh engine's tokens: test_glm5_next's cut passes)
+    assert second.prompt_ids[: len(said)] == said and len(second.output_ids) == 24
+
+
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_dir):
     term = Terminal("chat", "--model", tiny_dir(), "--temperature", 0, "--max-new-tokens", 3000, "--ignore-eos",
                     "--no-think")

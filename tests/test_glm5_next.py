@@ -210,6 +210,37 @@ def test_second_turn_resumes_and_decodes_what_a_fresh_engine_decodes(hf_next):
         engine.generate(first, 6)  # back to the first conversation for the next case
 
 
+@pytest.mark.parametrize("cut_at", ["prefill", "decode"])
+def test_a_pass_cut_short_leaves_no_trace_in_the_kda_states(hf_next, cut_at):
+    """Ctrl-C (or the GPU out of memory) in the middle of a forward: the KDA layers before the cut have taken the
+    pass into their states in place, the cache's length has not; the engine goes back to its resume point (or to
+    empty), so the next turn decodes what a fresh engine decodes."""
+    from glm5_offload.model.kda import KDA
+
+    path, _ = hf_next(8, 4)
+    model = load_model(path, dtype=torch.float32)
+    first, extra = prompt(4).tolist(), prompt(5, 9).tolist()
+    engine = Engine(model, cuda_graphs=False)
+    engine.stop_ids = set()
+    out = engine.generate(first, 6).output_ids
+    calls = []
+
+    def cut(module, args):  # in the second KDA layer, the first one's state updated: the prefill of the new tokens,
+        calls.append(args[0].shape[0])  # or the second decode step (the first feeds the prompt's last token)
+        if (args[0].shape[0], calls.count(1)) == ((1, 2) if cut_at == "decode" else (len(extra), 0)):
+            raise KeyboardInterrupt
+
+    hook = [m for m in model.modules() if isinstance(m, KDA)][1].register_forward_pre_hook(cut)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(first + out + extra, 6)
+    hook.remove()
+    assert calls == ([len(extra), 1, 1] if cut_at == "decode" else [len(extra)])
+    ids = first + out + extra + prompt(6, 3).tolist()
+    fresh = Engine(model, cuda_graphs=False)
+    fresh.stop_ids = set()
+    assert engine.generate(ids, 6).output_ids == fresh.generate(ids, 6).output_ids
+
+
 def test_make_tiny_checkpoint_loads_in_transformers_with_same_logits(tmp_path):
     from transformers import Glm5NextForConditionalGeneration
 

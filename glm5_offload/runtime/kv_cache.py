@@ -109,19 +109,29 @@ class KVCache:
         """Keep at most the first `keep` tokens: rows rewind anywhere; with KDA layers only to the end, the resume
         point or 0 (states cleared). The tokens kept."""
         if self.kda and keep < self.length:
-            point = self.resume_point
-            if point is not None and point[0] <= keep:
-                keep = point[0]
-                for name, t in self.states().items():
-                    t.copy_(point[1][name])
-            else:
-                keep = 0
-                for t in self.states().values():
-                    t.zero_()
+            keep = self._states_back_to(keep)
         self.length = min(keep, self.length)
         if self.resume_point is not None and self.resume_point[0] > self.length:
             self.resume_point = None  # its rows will be overwritten
         return self.length
+
+    def _states_back_to(self, keep: int) -> int:
+        """The states as at the resume point where it is at or before keep, else cleared; the tokens they hold."""
+        point = self.resume_point
+        if point is not None and point[0] <= keep:
+            for name, t in self.states().items():
+                t.copy_(point[1][name])
+            return point[0]
+        for t in self.states().values():
+            t.zero_()
+        return 0
+
+    def abandon_pass(self):
+        """After a pass that did not finish (Ctrl-C, the GPU out of memory): its rows lie past length, written again
+        by the next pass, but the KDA states took part of it in place: they go back to the resume point, or to
+        empty."""
+        if self.kda:
+            self.length = self._states_back_to(self.length)
 
     def begin_pass(self, n_new: int):
         """Before a forward of n_new tokens at positions length..: refuse what would not fit, and reset the hot
