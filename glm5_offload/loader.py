@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from .checkpoint import Checkpoint
 from .config import load_config
-from .errors import Glm5Error
+from .errors import Glm5Error, out_of_memory_said
 from .model import CausalLM, build_model
 from .ops.base import BuildContext
 from .planner import PlanError, detected_budgets, make_plan
@@ -94,6 +94,10 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
             if rules is None or slot.rule is None:
                 raise
             raise Glm5Error(f"{rules.path}: rule {slot.rule} ({slot.op.name} on {slot.name}): {e}") from None
+        except torch.OutOfMemoryError as e:  # the planner counts what it knows; the GPU may hold other processes'
+            raise Glm5Error(f"{model_dir}: the GPU ran out of memory loading {slot.name} ({out_of_memory_said(e)}); "
+                            "rules that place less on the GPU, or --gpu-mem at what is free, fit (glm5 plan shows the "
+                            "budget)") from None
         if module is not slot.module:
             parent, _, child = slot.name.rpartition(".")
             setattr(model.get_submodule(parent), child, module)

@@ -100,6 +100,33 @@ def test_a_prompt_extending_the_last_one_prefills_only_its_new_tokens(engine):
     assert diverged.reused_tokens == 5
 
 
+def test_the_gpu_out_of_memory_is_one_line_and_the_engine_goes_on(engine, monkeypatch):
+    """torch's OutOfMemoryError in a pass (a prefill chunk too big for what the GPU has left): a ModelError of one
+    line with what torch tried to allocate and what to change; the next request runs as on a fresh engine."""
+    from glm5_offload.errors import ModelError
+
+    engine.generate(PROMPT, 4)
+    real = type(engine.model).forward
+
+    def out_of_memory(model, tokens, cache, logits_for="all"):
+        if tokens.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 23.65 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this "
+                                         "process has 22.58 GiB memory in use. Of the allocated memory ...")
+        return real(model, tokens, cache, logits_for)
+
+    monkeypatch.setattr(type(engine.model), "forward", out_of_memory)
+    with pytest.raises(ModelError) as failed:
+        engine.generate(PROMPT + [9, 9, 9], 4)
+    assert str(failed.value) == (
+        "the GPU ran out of memory in a pass of 3 tokens (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+        "total capacity of 23.65 GiB of which 1.06 GiB is free); a smaller --prefill-chunk or --max-seq-len, or rules "
+        "that place less on the GPU, need less (glm5 plan shows what fits)")
+    monkeypatch.setattr(type(engine.model), "forward", real)
+    follow = PROMPT + [9, 9, 9, 8]
+    assert engine.generate(follow, 4).output_ids == Engine(engine.model, max_seq_len=256).generate(follow, 4).output_ids
+
+
 def test_on_token_can_stop_the_generation(engine):
     seen = []
     result = engine.generate(PROMPT, 10, on_token=lambda t: seen.append(t) or len(seen) == 3)

@@ -106,6 +106,27 @@ def test_layers_beyond_the_config_are_an_error_not_a_smaller_model(ckpt, mtp):
     assert f"tensor model.layers.{3 + mtp}." in message and f"beyond the 3 decoder layers and {mtp} MTP" in message
 
 
+def test_the_gpu_out_of_memory_while_loading_is_one_line(ckpt, monkeypatch):
+    """The planner counts what the placement needs, not what other processes hold of the GPU: torch's
+    OutOfMemoryError while a module's weights go there is one line naming the module, what torch tried and what to
+    change."""
+    from glm5_offload.ops.base import Operator
+
+    real = Operator.build
+
+    def out_of_memory(op, slot, checkpoint, ctx):
+        if slot.name == "model.layers.2.self_attn":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity "
+                                         "of 23.65 GiB of which 0.88 GiB is free. Including non-PyTorch memory ...")
+        return real(op, slot, checkpoint, ctx)
+
+    monkeypatch.setattr(Operator, "build", out_of_memory)
+    assert load_error(ckpt) == (
+        f"{ckpt}: the GPU ran out of memory loading model.layers.2.self_attn (CUDA out of memory. Tried to allocate "
+        "1.50 GiB. GPU 0 has a total capacity of 23.65 GiB of which 0.88 GiB is free); rules that place less on the "
+        "GPU, or --gpu-mem at what is free, fit (glm5 plan shows the budget)")
+
+
 def test_missing_tensor(ckpt):
     name = next(n for n, f in weight_map(ckpt).items() if f == FIRST_SHARD)
     rewrite_shard(ckpt, FIRST_SHARD, lambda t: t.pop(name))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from ..errors import Glm5Error, ModelError
+from ..errors import Glm5Error, ModelError, out_of_memory_said
 from ..model import CausalLM
 from ..util import is_active, sync
 from .decode_graphs import DecodeGraphs, unsupported
@@ -126,13 +126,23 @@ class Engine:
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ids to the cache; the last one's logits [vocab]."""
-        if len(ids) == 1 and self.use_graphs and not is_active():
-            if self.graphs is None:
-                self.graphs = DecodeGraphs(self.model, self.cache)
-            logits = self.graphs.step(ids[0])
-        else:
-            tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
-            logits = self.model(tokens, self.cache, logits_for="last")[-1]
+        try:
+            if len(ids) == 1 and self.use_graphs and not is_active():
+                if self.graphs is None:
+                    self.graphs = DecodeGraphs(self.model, self.cache)
+                logits = self.graphs.step(ids[0])
+            else:
+                tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+                logits = self.model(tokens, self.cache, logits_for="last")[-1]
+        except BaseException as e:  # Ctrl-C, out of memory: the cache holds what it held, or an earlier point
+            self.cache.abandon_pass()
+            del self.cache_ids[self.cache.length :]
+            if isinstance(e, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
+                raise ModelError(f"the GPU ran out of memory in a pass of {len(ids)} tokens ({out_of_memory_said(e)});"
+                                 " a smaller --prefill-chunk or --max-seq-len, or rules that place less on the GPU, "
+                                 "need less (glm5 plan shows what fits)") from None
+            raise
         self.cache_ids.extend(ids)
         return logits
 
