@@ -16,6 +16,7 @@ import select
 import socket
 import threading
 import time
+import traceback
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -250,8 +251,15 @@ class Service:
         with self.lock:
             if gone():
                 raise RequestError(499, "the client closed its connection before its request ran")
-            result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
-            stream.flush()
+            try:
+                result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
+                stream.flush()
+            except (Glm5Error, KeyboardInterrupt):
+                raise
+            except Exception as e:  # a defect: the client gets a 500 (not a dropped connection), the log its trace
+                traceback.print_exc()
+                raise ModelError(f"internal error ({type(e).__name__}: {e}); the traceback is in the server's "
+                                 "log") from None
             send_content(len(state["text"]))  # a stop string's start that never finished
             self.keep_context(result)
         reply = [t for t in result.output_ids if t not in self.engine.stop_ids]

@@ -495,6 +495,30 @@ def test_a_plain_request_whose_client_left_stops(server, client, monkeypatch):
     assert queued not in ran and len(ran) == 2
 
 
+def test_a_defect_in_a_request_is_a_500_not_a_dropped_connection(server, client, monkeypatch, capfd):
+    """An exception no one expected (a bug) while a request runs: the client gets a 500 server_error naming it
+    (mid-stream: an error event and [DONE]), the traceback goes to the server's log, and the server goes on."""
+    service = server.RequestHandlerClass.service
+
+    def broken(prompt, max_tokens, params, on_token=None):  # a few tokens, then a defect
+        for token in service.tokenizer.encode("Hello there", add_special_tokens=False):
+            on_token(token)
+        return {}["no such key"]
+
+    monkeypatch.setattr(service.engine, "generate", broken)
+    error = {"message": "internal error (KeyError: 'no such key'); the traceback is in the server's log",
+             "type": "server_error", "param": None, "code": None}
+    error_body = {"error": error}
+    assert post(server, json.dumps({"messages": HELLO, "max_tokens": 4}).encode()) == (500, error_body)
+    events = urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions",
+        json.dumps({"messages": HELLO, "max_tokens": 4, "stream": True}).encode())).read().decode().split("\n\n")
+    assert "reasoning_content" in events[1] and events[-3:] == [f"data: {json.dumps(error_body)}", "data: [DONE]", ""]
+    assert capfd.readouterr().err.count("Traceback") == 2
+    monkeypatch.undo()
+    assert client.chat.completions.create(model="tiny-glm5", messages=HELLO, max_tokens=2).usage.completion_tokens == 2
+
+
 def test_client_gone_mid_stream_frees_the_engine(server, client):
     body = json.dumps({"messages": HELLO, "max_tokens": 3000, "temperature": 0, "stream": True}).encode()
     sock = socket.create_connection(server.server_address)
