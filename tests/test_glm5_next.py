@@ -187,14 +187,19 @@ def test_greedy_tokens_identical(hf_next, layers, kpool):
     assert engine.generate(ids.tolist(), n_new).output_ids == hf_greedy(hf, ids, n_new)
 
 
-def test_second_turn_resumes_and_decodes_what_a_fresh_engine_decodes(hf_next):
-    """A KDA state cannot be rewound: the engine resumes at its end or at the point before the last prompt token."""
+def first_turn(hf_next):
+    """(model, its engine after a first turn, that turn's prompt, its reply, 9 more prompt tokens)."""
     path, _ = hf_next(8, 4)
     model = load_model(path, dtype=torch.float32)
     first, extra = prompt(4).tolist(), prompt(5, 9).tolist()
     engine = Engine(model, cuda_graphs=False)
     engine.stop_ids = set()
-    out = engine.generate(first, 6).output_ids
+    return model, engine, first, engine.generate(first, 6).output_ids, extra
+
+
+def test_second_turn_resumes_and_decodes_what_a_fresh_engine_decodes(hf_next):
+    """A KDA state cannot be rewound: the engine resumes at its end or at the point before the last prompt token."""
+    model, engine, first, out, extra = first_turn(hf_next)
     cases = {"extends the whole cache": first + out + extra, "repeats the prompt": first,
              "extends the prompt only": first + extra, "shares nothing": extra + first}
     for what, ids in cases.items():
@@ -217,12 +222,7 @@ def test_a_pass_cut_short_leaves_no_trace_in_the_kda_states(hf_next, cut_at):
     empty), so the next turn decodes what a fresh engine decodes."""
     from glm5_offload.model.kda import KDA
 
-    path, _ = hf_next(8, 4)
-    model = load_model(path, dtype=torch.float32)
-    first, extra = prompt(4).tolist(), prompt(5, 9).tolist()
-    engine = Engine(model, cuda_graphs=False)
-    engine.stop_ids = set()
-    out = engine.generate(first, 6).output_ids
+    model, engine, first, out, extra = first_turn(hf_next)
     calls = []
 
     def cut(module, args):  # in the second KDA layer, the first one's state updated: the prefill of the new tokens,
