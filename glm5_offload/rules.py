@@ -144,7 +144,8 @@ def resolve_rules_path(name: str | Path) -> Path:
     for candidate in (str(name), f"{name}.yaml"):
         if "/" not in candidate and (shipped / candidate).is_file():
             return Path(str(shipped / candidate))
-    raise Glm5Error(f"{name}: no such rule file (shipped: {', '.join(shipped_rule_names())})")
+    what = "a folder, not a rule file" if path.is_dir() else "not a rule file" if path.exists() else "no such rule file"
+    raise Glm5Error(f"{name}: {what} (shipped: {', '.join(shipped_rule_names())})")
 
 
 def shipped_rule_names() -> list[str]:

@@ -281,6 +281,11 @@ def test_bad_rule_file_on_the_command_line_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = glm5("rules", "show", "--model", "glm-5", "--rules", tmp_path / "missing.yaml", check=False)
     assert proc.returncode == 2 and "no such rule file" in proc.stderr
+    from glm5_offload.rules import resolve_rules_path
+
+    for path, what in ((tmp_path, "a folder, not a rule file"), ("/dev/null", "not a rule file")):
+        with pytest.raises(Glm5Error, match=f"^{path}: {what} \\(shipped: glm5-cpu.yaml, "):
+            resolve_rules_path(path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
