@@ -254,7 +254,7 @@ class Service:
             try:
                 result = self.last = self.engine.generate(prompt, max_tokens, params, on_token=on_token)
                 stream.flush()
-            except (Glm5Error, KeyboardInterrupt):
+            except Glm5Error:  # (said as it is; Ctrl-C is no Exception)
                 raise
             except Exception as e:  # a defect: the client gets a 500 (not a dropped connection), the log its trace
                 traceback.print_exc()
