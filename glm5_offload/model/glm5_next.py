@@ -51,8 +51,7 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
         return post, comb, (pre[..., None] * streams).sum(1).to(streams.dtype)
 
-    @staticmethod
-    def merge(streams, out, post, comb):
+    def merge(self, streams, out, post, comb):
         """The streams after the sublayer: stream i = post_i * out + sum_j comb[j, i] * streams_j."""
         dtype = streams.dtype
         return post.to(dtype)[..., None] * out.to(dtype)[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
@@ -79,14 +78,14 @@ class DecoderLayer(nn.Module):
                 out, s.indices = self.self_attn(h, s.cache.kda[self.layer]), None
             else:
                 out, s.indices = self.self_attn(h, None, None, s.cache, s.positions, s.end, s.indices)
-            s.x = HyperConnection.merge(s.x, out.to(s.x.device), post, comb)
+            s.x = self.attn_hc.merge(s.x, out.to(s.x.device), post, comb)
 
         def enter(s: Pass):
             s.hc_post, s.hc_comb, h = self.ffn_hc(s.x)
             return self.post_attention_layernorm(h)
 
         def leave(s: Pass, out):
-            return HyperConnection.merge(s.x, out, s.hc_post, s.hc_comb)
+            return self.ffn_hc.merge(s.x, out, s.hc_post, s.hc_comb)
 
         def dense(s: Pass):
             with span("dense", s.x.device):
