@@ -321,7 +321,8 @@ def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, t
     (tmp_path / "rules.yaml").write_text(text)
     placed = load_model(path, dtype=torch.float32, rules=load_rules(tmp_path / "rules.yaml"), device="cpu")
     ops = {s.op.name for s in placed.placement.slots.values()}
-    assert {"kda.reference", "experts.numba", "linear.triton", "attention.dsa_triton"} <= ops
+    assert {"kda.reference", "experts.numba", "linear.triton", "attention.dsa_triton",
+            "hyper_connection.triton"} <= ops
     ours = placed(ids, new_cache(placed, 64))
     errors = sorted(rel_err(ours[i], theirs[i]) for i in range(PROMPT_LEN))
     agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean()

@@ -54,7 +54,7 @@ def test_flash_default_places_every_module_and_uses_every_rule():
     assert p.unmatched == [] and p.unused_rules == []
     assert {type(s.module) for s in p.slots.values() if s.device == "cpu"} == {Experts}
     ops = {s.op.name for s in p.slots.values()}
-    assert {"kda.fla", "pooled_indexer.dsa_triton", "hyper_connection.reference", "attention.dsa_triton"} <= ops
+    assert {"kda.fla", "pooled_indexer.dsa_triton", "hyper_connection.triton", "attention.dsa_triton"} <= ops
     with pytest.raises(Glm5Error, match="suits glm5_next, not glm_moe_dsa"):
         placement("glm-5", FLASH)
 
