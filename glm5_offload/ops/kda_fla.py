@@ -17,14 +17,21 @@ def _fla_kda():
 
 class FlaKDA(KDA):
     def recurrence(self, q, k, v, g, beta, state):
-        """KDA.recurrence with fla-core's kernels for the recurrence itself: q and k normalised (q scaled) and the
-        gate activated here in fp32, as the reference does, then chunk_kda (a chunk) or fused_recurrent_kda (one
-        token). (fla-core can fuse the normalisation and the gate into its kernels: not yet measured here.)"""
+        """KDA.recurrence with fla-core's kernels for the recurrence itself. A decode step (one token) hands
+        fused_recurrent_kda the raw q, k and gate logits: the normalisation, q's scale and the gate's activation
+        (KDA.prepare's) run inside its one kernel, as fp32 as the reference's. A chunk normalises and activates here
+        (chunk_kda's own gate clamps what the reference does not), then chunk_kda."""
         kda = _fla_kda()
+        if q.shape[0] == 1:
+            o, new = kda.fused_recurrent_kda(q[None], k[None], v[None], g[None], beta[None], A_log=self.A_log,
+                                             dt_bias=self.dt_bias, scale=q.shape[-1] ** -0.5,
+                                             initial_state=state[None], output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                             lower_bound=self.lower_bound)
+            return o[0], new[0]
         q, k, v, g = self.prepare(q, k, v, g)
-        kernel = kda.fused_recurrent_kda if q.shape[0] == 1 else kda.chunk_kda
-        o, new = kernel(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=state[None],
-                        output_final_state=True)
+        o, new = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=state[None],
+                               output_final_state=True)
         return o[0], new[0]
 
 
