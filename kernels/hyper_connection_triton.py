@@ -63,7 +63,7 @@ def _mix_kernel(part_ptr, streams_ptr, base_ptr, scale_ptr, h_ptr, post_ptr, com
     post = tl.zeros((BLOCK_M,), tl.float32)
     comb = tl.zeros((BLOCK_M, BLOCK_M), tl.float32)
     sp = tl.arange(0, SPLITS_BLOCK)
-    for first in range(0, splits, SPLITS_BLOCK):  # SPLITS_BLOCK partial sums a load: up to 528 of them (H100)
+    for first in range(0, splits, SPLITS_BLOCK):  # SPLITS_BLOCK partial sums a load (Flash: 128 of them)
         at = part_ptr + ((first + sp) * S + s) * n_out  # [SPLITS_BLOCK]
         sp_ok = first + sp < splits
         pre += tl.sum(tl.load(at[:, None] + a[None, :], mask=sp_ok[:, None] & a_ok[None, :], other=0.0), axis=0)
