@@ -267,7 +267,8 @@ def test_an_fp8_flash_checkpoint_is_kept_as_released(tmp_path, monkeypatch):
     text = re.sub(r"    kwargs: \{format: int4, activations: int8, gpu_tokens: \d+\}\n", "",
                   resolve_rules_path("glm5-flash").read_text()).replace("op: experts.numba", "op: experts.reference")
     text = text.replace("kv_dtype: fp8, kv_offload: true, ", "").replace("attention.dsa_triton", "attention.reference")
-    text = text.replace("pooled_indexer.dsa_triton", "pooled_indexer.reference").replace(  # only the projections differ
+    text = text.replace("pooled_indexer.dsa_triton", "pooled_indexer.reference").replace(
+        "hyper_connection.triton", "hyper_connection.reference").replace(  # only the projections differ
         "kwargs: {format: fp8}\n\n- match:\n    class: Linear", "kwargs: {format: bf16}\n\n- match:\n    class: "
         "Linear")  # lm_head is bf16 in the release
     (tmp_path / "rules.yaml").write_text(text)
