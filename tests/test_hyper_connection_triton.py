@@ -52,7 +52,6 @@ def test_mix_and_merge_equal_the_reference(S, M, D, iters, dtype):
         assert rel_err(new, exact) <= rel_err(want, exact) + 1e-4 and rel_err(new, want) < 4e-3
 
 
-
 @pytest.mark.parametrize("programs", [50, 200])  # 43 partial sums (two loads, the second masked); 128 of them
 def test_the_logits_split_over_many_programs(monkeypatch, programs):
     """On a GPU the logits' GEMV splits its inputs over every SM (the interpreter runs one program): the mix kernel
@@ -65,4 +64,3 @@ def test_the_logits_split_over_many_programs(monkeypatch, programs):
     assert router_triton.logits_parts(streams.view(1, -1), hc.fn).shape[0] == {50: 43, 200: 128}[programs]
     got, want = hyper_connection_triton.mix(streams, hc.fn, hc.base, hc.scale, 20, hc.eps, hc.norm_eps), hc(streams)
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want))
-
