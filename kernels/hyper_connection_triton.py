@@ -8,7 +8,7 @@ is the streams weighted by `pre`; after the sublayer `merge` gives stream i = po
 stream_j. A decode step of a Flash layer ran two of them and two merges, some 300 launches of tiny kernels.
 
 - the logits: router_triton.logits_parts (the same skinny GEMV: fn read as stored, split over the inputs, partial
-  sums [splits, S, 2M + M^2]); a prefill chunk's by one fp32 matmul. The RMS factor multiplies the dot afterwards.
+  sums [splits, S, 2M + M^2]; a prefill chunk's by one fp32 matmul). The RMS factor multiplies the dot afterwards.
 - `_mix_kernel`, a program per token: the streams' sum of squares, the partial logits' sums (SPLITS_BLOCK a load,
   added in a fixed order: a CUDA graph's replay equals eager), pre, post and comb with
   every Sinkhorn step in registers (M x M padded to a power of two), then the weighted sum of the streams.
@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from .fp8_bits import round_to_bf16
-from .linear_triton import DECODE_ROWS
 from .router_triton import logits_parts
 
 BLOCK_D = 1024  # values of a stream per step of _mix_kernel
@@ -127,7 +126,7 @@ def mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     (post [S, M] fp32, comb [S, M, M] fp32, the sublayer's input [S, D] in the streams' dtype)."""
     S, M, D = streams.shape
     flat = streams.contiguous().view(S, M * D)
-    part = logits_parts(flat, fn) if S <= DECODE_ROWS else (flat.float() @ fn.float().t())[None]
+    part = logits_parts(flat, fn)
     h = torch.empty(S, D, dtype=streams.dtype, device=streams.device)
     post = torch.empty(S, M, dtype=torch.float32, device=streams.device)
     comb = torch.empty(S, M, M, dtype=torch.float32, device=streams.device)

@@ -91,9 +91,11 @@ def _select_kernel(part_ptr, bias_ptr, ids_ptr, weights_ptr, splits, T, E, scali
 
 
 def logits_parts(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (T <= DECODE_ROWS) times weight [E, K]^T -> partial logits [splits, T, E] fp32 (their sum: the
-    logits), the weight read as stored."""
+    """x [T, K] times weight [E, K]^T -> partial logits [splits, T, E] fp32 (their sum: the logits): up to DECODE_ROWS
+    tokens _logits_kernel's split GEMV, the weight read as stored; a prefill chunk's by one fp32 matmul (1 split)."""
     T, K = x.shape
+    if T > DECODE_ROWS:
+        return (x.float() @ weight.float().t())[None]
     E = weight.shape[0]
     dot = T > BROADCAST_ROWS
     block_t = max(16, triton.next_power_of_2(T)) if dot else triton.next_power_of_2(T)
@@ -113,7 +115,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
     weights [T, top_k] fp32. Decode rows' logits by _logits_kernel; a prefill chunk's by one fp32 matmul."""
     T = x.shape[0]
     E = weight.shape[0]
-    part = logits_parts(x, weight) if T <= DECODE_ROWS else (x.float() @ weight.float().t())[None]
+    part = logits_parts(x, weight)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     group = E // n_group
