@@ -64,3 +64,21 @@ def test_the_logits_split_over_many_programs(monkeypatch, programs):
     assert router_triton.logits_parts(streams.view(1, -1), hc.fn).shape[0] == {50: 43, 200: 128}[programs]
     got, want = hyper_connection_triton.mix(streams, hc.fn, hc.base, hc.scale, 20, hc.eps, hc.norm_eps), hc(streams)
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want))
+
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_merge_rounds_its_terms_as_the_reference(dtype):
+    """post, comb and the sublayer's output (fp32 where an MoE's sum is) rounded to the streams' dtype before their
+    fp32 products, as the reference rounds them: each term alone (the other zero) equals the reference's to the bit;
+    fp16 streams (--dtype float16) through the kernels' fp16 rounding."""
+    hc, g = make_hc(4, 1024, 20, dtype, seed=16)
+    streams = (3 * torch.randn(4, 4, 1024, generator=g)).to(DEVICE, dtype)
+    post, comb, h = hc(streams)
+    got = hyper_connection_triton.mix(streams, hc.fn, hc.base, hc.scale, 20, hc.eps, hc.norm_eps)
+    assert got[2].dtype == dtype and rel_err(got[2], h) < 4e-3
+    out = torch.randn(4, 1024, generator=g).to(DEVICE)
+    for p, c in ((post, torch.zeros_like(comb)), (torch.zeros_like(post), comb)):  # post * out; comb^T streams
+        new, want = hyper_connection_triton.merge(streams, out, p, c), hc.merge(streams, out, p, c)
+        assert new.dtype == dtype and (new == want).float().mean() > 0.99
