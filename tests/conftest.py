@@ -1,9 +1,10 @@
 """Shared fixtures: tiny checkpoints written by transformers itself, and by `glm5 make-tiny`."""
 
-import fcntl
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,29 +134,13 @@ def hf_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained_checkpoint(tmp_path_factory):
+def trained_checkpoint():
     """(directory, data): a tiny glm_moe_dsa (every input dim a multiple of 32) that transformers trained for 250
-    steps on the four sequences `data` [4, 80] until its greedy continuation of each follows it, saved in bf16. A
-    random model's logits are nearly tied, so any rounding flips its greedy tokens; a trained one's say what a
-    format costs. (40 steps at lr 3e-3 left some tokens within 0.4 of the next logit, and which ones depended on
-    the CPU the training ran on: an int4 test passed on one 2-core box and agreed 83% on another.)"""
-    data = torch.randint(4, 320, (4, 80), generator=torch.Generator().manual_seed(1))
-    # trained once a run: under xdist the workers share the run's temporary folder, the first one trains
-    shared = tmp_path_factory.getbasetemp()
-    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
-    path = shared / "trained"
-    with open(shared / "trained.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "config.json").is_file():
-            hf = build_hf_model("glm_moe_dsa", q_lora_rank=64).train()
-            optimizer = torch.optim.Adam(hf.parameters(), lr=2e-3)
-            for _ in range(250):
-                loss = hf(data, labels=data).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            hf.eval().to(torch.bfloat16).save_pretrained(path)
-    return path, data
+    steps on the four sequences `data` [4, 80] until its greedy continuation of each follows it, saved in bf16
+    (tests/data/trained-glm-moe-dsa, written by tests/make_trained_checkpoint.py). A random model's logits are nearly
+    tied, so any rounding flips its greedy tokens; a trained one's say what a format costs."""
+    path = Path(__file__).parent / "data" / "trained-glm-moe-dsa"
+    return path, torch.tensor(json.loads((path / "data.json").read_text()))
 
 
 def bf16_continuation(path, prompt: list[int], n: int = 64) -> list[int]:
