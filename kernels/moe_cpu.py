@@ -180,7 +180,7 @@ def _fma(builder, acc, a, b):
 PREFETCH_AHEAD = 1024
 # And the line PREFETCH_FAR bytes ahead into L2 alone (prefetcht2): the L1's few fill buffers bound how many lines a
 # core has in flight; the far requests keep more of them coming (H100 host, 16 threads, five alternated rounds, the
-# median: 1.99 -> 1.68 ms a GLM-5 layer, 80 -> 91% of the read; t1 at 4096 or t2 at 3072 and 8192 between the two).
+# medians: 1.99 -> 1.68 ms a GLM-5 layer, 80 -> 84% of the read; t1 at 4096 or t2 at 3072 and 8192 between the two).
 PREFETCH_FAR = 4096
 
 

@@ -27,7 +27,7 @@ def main():
     data = torch.randint(4, 320, (4, 80), generator=torch.Generator().manual_seed(1))
     hf = build_hf_model("glm_moe_dsa", q_lora_rank=64).train()
     optimizer = torch.optim.Adam(hf.parameters(), lr=2e-3)
-    for step in range(250):
+    for _ in range(250):
         loss = hf(data, labels=data).loss
         optimizer.zero_grad()
         loss.backward()
