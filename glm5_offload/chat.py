@@ -180,6 +180,13 @@ class Conversation:
         return f"{n} cached tokens resumed"
 
 
+def partial_suffix(text: str, strings: list[str]) -> int:
+    """How many of text's last characters begin one of `strings` without completing it (0 if none): what a stream
+    holds back until the next piece says whether the string comes."""
+    return max((k for s in strings for k in range(min(len(s) - 1, len(text)), 0, -1)
+                if s[k - 1] == text[-1] and text.endswith(s[:k])), default=0)
+
+
 class ReplyStream:
     """Decodes tokens as they come and hands on whole characters, the reasoning part marked as such."""
 
@@ -196,8 +203,8 @@ class ReplyStream:
             return
         if self.in_reasoning:
             end = text.find(THINK_END)
-            if end < 0:  # hold back what could be the start of </think>
-                safe = len(text) - len(THINK_END) + 1
+            if end < 0:  # hold back what may be the start of </think>
+                safe = len(text) - partial_suffix(text, [THINK_END])
                 if safe > self.sent:
                     self.on_text(text[self.sent : safe], True)
                     self.sent = safe

@@ -22,7 +22,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .chat import ROLES, ReplyStream, apply_template, split_reasoning
+from .chat import ROLES, ReplyStream, apply_template, partial_suffix, split_reasoning
 from .errors import Glm5Error, ModelError
 from .runtime.engine import Engine, SamplingParams
 from .runtime.saved_context import load_context, save_context
@@ -138,12 +138,6 @@ def parse_request(body, default_max_tokens: int, defaults: SamplingParams = Samp
     return messages, params, max_tokens, stop or [], body.get("stream", False), template_kwargs(body)
 
 
-def stop_prefix(text: str, stop: list[str]) -> int:
-    """How many of text's last characters begin one of the stop strings (0 if none): a stream holds them back."""
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1)
-                if s[k - 1] == text[-1] and text.endswith(s[:k])), default=0)
-
-
 EFFORTS = ("max", "high")  # GLM-5's chat template's reasoning_effort
 
 
@@ -239,7 +233,7 @@ class Service:
                 state["text"], state["stopped"] = state["text"][:cut], True
                 send_content(cut)
             else:  # what may be a stop string's start waits for the next piece
-                send_content(len(state["text"]) - stop_prefix(state["text"], stop))
+                send_content(len(state["text"]) - partial_suffix(state["text"], stop))
 
         stream = ReplyStream(self.tokenizer, self.engine.stop_ids, thinking, on_text)
 

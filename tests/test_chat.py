@@ -292,3 +292,28 @@ def test_piped_lines_that_are_not_utf8_or_beyond_the_context(tiny_dir):
     # the turn before /reset and the one after; none for the line after /quit (it ended the session)
     assert len(STATS.findall(out)) == 2 and "turns 2," in out
     assert "/save needs a FILE: /save FILE" in out
+
+
+def test_reasoning_streams_without_waiting_on_a_think_end_that_is_not_starting():
+    """ReplyStream hands on each reasoning piece as it decodes, holding back only text that may begin </think> (a
+    reasoning stream used to trail by seven characters); </think> split over tokens still ends the reasoning."""
+    from glm5_offload.chat import ReplyStream
+
+    pieces = ["Let", " me", " think", " a<", "/", "th", "ink>", "\n", "Yes", " </b>"]
+
+    class Tokenizer:
+        def decode(self, ids):
+            return "".join(pieces[i] for i in ids)
+
+    shown = []
+    stream = ReplyStream(Tokenizer(), stop_ids=set(), thinking=True,
+                         on_text=lambda text, reasoning: shown.append((text, reasoning)))
+    seen = []
+    for i in range(len(pieces)):
+        stream(i)
+        seen.append("".join(text for text, _ in shown))
+    stream.flush()
+    assert seen[:3] == ["Let", "Let me", "Let me think"]  # at once: nothing there could begin </think>
+    assert seen[3:6] == ["Let me think a"] * 3  # "<", "</", "</th" wait
+    assert shown[-2:] == [("Yes", False), (" </b>", False)]  # the reply, its newline after </think> dropped
+    assert "".join(t for t, r in shown if r) == "Let me think a" and "".join(t for t, r in shown if not r) == "Yes </b>"
