@@ -34,6 +34,7 @@ import numpy as np
 from numba import njit
 import torch
 
+from glm5_offload.checkpoint import anonymous_memory, huge_pages
 from glm5_offload.config import load_config
 from glm5_offload.formats import int_groups
 from glm5_offload.kernels import moe_cpu
@@ -56,8 +57,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def engine_memory(a: np.ndarray) -> np.ndarray:
+    """a copied into memory of the kind the engine reads its experts from (checkpoint.read_into_memory's: a mapping
+    of its own, huge pages asked for): a 4 KiB page a TLB entry would slow the read the bench reports."""
+    if not a.nbytes:
+        return a
+    held = np.frombuffer(anonymous_memory(a.nbytes), a.dtype).reshape(a.shape)
+    held[...] = a
+    return held
+
+
 def random_layer(fmt: str, experts: int, group: int, seed: int = 0):
-    """Random weights straight in the CPU format (never an fp32 copy of the whole layer)."""
+    """Random weights straight in the CPU format (never an fp32 copy of the whole layer), held as the engine holds
+    its experts (engine_memory)."""
     rng = np.random.default_rng(seed)
 
     def values(rows, cols):
@@ -73,7 +85,8 @@ def random_layer(fmt: str, experts: int, group: int, seed: int = 0):
             return np.zeros((0,), np.float32)
         return (rng.random((experts, rows, cols // group), np.float32) + 0.5) * (cols**-0.5 / 64)
 
-    return values(2 * INTER, HIDDEN), scales(2 * INTER, HIDDEN), values(HIDDEN, INTER), scales(HIDDEN, INTER)
+    return tuple(engine_memory(a) for a in (values(2 * INTER, HIDDEN), scales(2 * INTER, HIDDEN), values(HIDDEN, INTER),
+                                            scales(HIDDEN, INTER)))
 
 
 def expert_bytes(layer, e: int) -> int:
@@ -299,6 +312,10 @@ def main(argv=None):
         fmt = spec.removesuffix("+a8")
         if fmt not in layers:
             layers[fmt] = random_layer(fmt, args.experts, args.group)
+            pages = huge_pages(list(layers[fmt]))
+            if pages:
+                print(f"{fmt} layer: {pages[1] / pages[0]:.0%} of its {pages[0] / 2**30:.2f} GiB in huge pages",
+                      flush=True)
         r = bench_format(fmt, layers[fmt], args.experts, args.group, args.threads, read, rng, spec.endswith("+a8"))
         results["formats"].append(r)
         print(json.dumps(r), flush=True)

@@ -150,6 +150,15 @@ def memory_map(path: Path) -> dict[str, np.ndarray]:
 READ_CHUNK = 1 << 28
 
 
+def anonymous_memory(size: int) -> mmap.mmap:
+    """size bytes of anonymous memory in a mapping of its own, huge pages asked for: what the CPU experts are read
+    into (read_into_memory) and what bench/bench_experts.py holds its layers in."""
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf
+
+
 def read_into_memory(path: Path) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file read into anonymous memory of its own (one mapping a tensor, huge pages
     asked for), read-only like a memory map; the file's pages are dropped from the page cache as they are read, so
@@ -161,9 +170,7 @@ def read_into_memory(path: Path) -> dict[str, np.ndarray]:
                 arrays[name] = np.zeros(shape, dtype)
                 arrays[name].flags.writeable = False
                 continue
-            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                buf.madvise(mmap.MADV_HUGEPAGE)
+            buf = anonymous_memory(size)
             view = memoryview(buf)
             done = 0
             while done < size:
