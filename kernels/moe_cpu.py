@@ -16,8 +16,8 @@ unpacked once for 4 of them), then the block's SiLU(gate) x up and its int8 form
 rows into blocks, each thread summing every active expert's down rows of its block times the routing weight.
 Two parallel regions a call (each a fork and a join of the thread team: what a decode step pays besides the
 bytes), each with many more work items than cores, so all cores stay busy with 8 experts. Each int4
-weight step prefetches the line PREFETCH_AHEAD bytes on and, into L2 alone, the one PREFETCH_FAR bytes on, so a
-core's dots and its DRAM reads overlap.
+weight step prefetches the line PREFETCH_AHEAD bytes on (and, a whole line a step, into L2 the one PREFETCH_FAR
+bytes on), so a core's dots and its DRAM reads overlap.
 """
 
 import os
@@ -181,6 +181,8 @@ PREFETCH_AHEAD = 1024
 # And the line PREFETCH_FAR bytes ahead into L2 alone (prefetcht2): the L1's few fill buffers bound how many lines a
 # core has in flight; the far requests keep more of them coming (H100 host, 16 threads, five alternated rounds, the
 # medians: 1.99 -> 1.68 ms a GLM-5 layer, 80 -> 84% of the read; t1 at 4096 or t2 at 3072 and 8192 between the two).
+# Measured for the steps of a whole line (int8 activations with AVX512-VNNI, groups of 128: the default) and asked
+# there alone; the 16-byte steps (fp32 activations, no VNNI, smaller groups) keep the near prefetch only.
 PREFETCH_FAR = 4096
 
 
@@ -201,7 +203,8 @@ def _int4_step(builder, packed_ptr, i, lanes, group_bytes, base):
     group's start comes from the loop over groups: a division here, each step, cost the int4 kernels half their
     speed."""
     _prefetch(builder, packed_ptr, i)
-    _prefetch(builder, packed_ptr, i, far=True)
+    if lanes >= 64:  # a line a step (AVX512-VNNI, groups of 128: what was measured); narrower steps ask as before
+        _prefetch(builder, packed_ptr, i, far=True)
     b = _load_i8(builder, packed_ptr, i, lanes)
     low = builder.and_(b, ir.Constant(b.type, [15] * lanes))
     high = builder.lshr(b, ir.Constant(b.type, [4] * lanes))

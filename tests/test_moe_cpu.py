@@ -156,7 +156,7 @@ def test_a_tile_equals_exact_integer_dots(first, last):
 
 def test_generated_code_is_vectorised():
     """Vector FMAs on wide registers, widening int8 loads, int4 weights prefetched ahead of their loads (near into
-    every cache, far into L2); read off a fresh (uncached) compile."""
+    every cache; far into L2 where a step is a line); read off a fresh (uncached) compile."""
     kernel = numba.njit(parallel=True, nogil=True, fastmath=moe_cpu._FASTMATH)(moe_cpu.moe_layer.py_func)
     for fmt, group in (("int8", 64), ("int4", 64)):
         (v13, s13, v2, s2), _ = layer(fmt, group)
@@ -171,12 +171,12 @@ def test_generated_code_is_vectorised():
     assert "vpmovsxbd" in asm or "vpmovsxbw" in asm  # int8 sign-extended a vector at a time
     assert "vgather" not in asm  # contiguous loads, not gathers
     assert re.search(rf"prefetcht0\s+{moe_cpu.PREFETCH_AHEAD}\(", asm)  # the line PREFETCH_AHEAD bytes on
-    assert re.search(rf"prefetcht2\s+{moe_cpu.PREFETCH_FAR}\(", asm)  # and into L2 the line PREFETCH_FAR bytes on
     # int8 activations: widening multiply-adds, int16 pairs into int32 (vpdpwssd where AVX512-VNNI is there)
     assert re.search(r"(vpmaddwd|vpdpwssd)\s+[^\n]*%[yz]mm", asm)
     if moe_cpu._has_vnni():  # int4 nibbles straight into u8 x s8 quads; a tile's inputs broadcast from memory
         assert re.search(r"vpdpbusd\s+[^\n]*%zmm", asm)
         assert re.search(r"vpdpbusd\s+[^\n]*\{1to16\}", asm)
+        assert re.search(rf"prefetcht2\s+{moe_cpu.PREFETCH_FAR}\(", asm)  # a line a step: the one PREFETCH_FAR on
 
 
 def test_int8_activations_without_vnni(tmp_path):
