@@ -66,8 +66,6 @@ def test_the_logits_split_over_many_programs(monkeypatch, programs):
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(got, want))
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_merge_rounds_its_terms_as_the_reference(dtype):
     """post, comb and the sublayer's output (fp32 where an MoE's sum is) rounded to the streams' dtype before their
