@@ -18,8 +18,9 @@ WINDOW, LRU, WIDTH, K = 8, 48, 20, 16  # 20-byte rows: 5 words; K selections a s
 
 def tier_pair(g: torch.Generator, state: str) -> tuple[TieredLatent, TieredLatent]:
     """Two caches in one state: 150 tokens written by a prefill; fresh (every LRU slot unused: the first fetches'
-    victims need no select), partly used (K - 2 slots unused: the used ones older than the K-th least recent come
-    first among the victims), or aged: every LRU slot used (by tokens never selected here), stamps from long ago
+    victims are the lowest-numbered of them), fresh long ago (K slots unused, the used ones' ages past OLDEST: tied
+    with theirs, so the used come first among the victims), partly used (K - 2 slots unused: the used ones older than
+    the K-th least recent come first among the victims), or aged: every LRU slot used (by tokens never selected here), stamps from long ago
     (ages past OLDEST: tied) and recent ones (distinct and tied)."""
     pair = []
     prefill = torch.randint(0, 256, (150, WIDTH), generator=g, dtype=torch.uint8)
@@ -41,6 +42,15 @@ def tier_pair(g: torch.Generator, state: str) -> tuple[TieredLatent, TieredLaten
             tier.unused.fill_(K - 2)
         return pair
     step = (1 << 25) + 40
+    if state == "fresh, long ago":  # K slots never used, the others used over OLDEST fetches ago: all tied as oldest
+        used = LRU - K
+        stamps = torch.randint(1, 1 << 24, (used,), generator=g)
+        for tier in pair:
+            tier.step.fill_(step)
+            tier.stamp[:used] = stamps.to(DEVICE)
+            tier.token_of[:used] = torch.arange(250, 250 + used, device=DEVICE)
+            tier.unused.fill_(K)
+        return pair
     stamps = torch.cat([torch.randint(0, 1 << 24, (LRU // 2,), generator=g),
                         step - torch.randint(1, 12, (LRU - LRU // 2,), generator=g)])
     for tier in pair:
@@ -55,12 +65,14 @@ def assert_same(a: TieredLatent, b: TieredLatent):
     assert torch.equal(a.slot_of, b.slot_of)
     assert torch.equal(a.token_of[:LRU], b.token_of[:LRU]) and torch.equal(a.stamp[:LRU], b.stamp[:LRU])
     assert int(a.step) == int(b.step) and int(a.hits) == int(b.hits) and int(a.misses) == int(b.misses)
-    assert int(a.unused) == int(b.unused) == int((a.token_of[:LRU] < 0).sum())
+    # the never-used slots are the last `unused` (the kernel's victims while K of them are left)
+    never_used = torch.arange(LRU - int(a.unused), LRU, device=a.token_of.device)
+    assert int(a.unused) == int(b.unused) and torch.equal((a.token_of[:LRU] < 0).nonzero().flatten(), never_used)
     assert torch.equal(a.host, b.host) and torch.equal(a.hot[:-1], b.hot[:-1])  # (the last: the dummy slot)
 
 
 @pytest.mark.parametrize("age_block", [hot_rows.AGE_BLOCK, 16])  # the LRU part's 48 ages in one block, or three
-@pytest.mark.parametrize("state", ["aged", "fresh", "partly used"])
+@pytest.mark.parametrize("state", ["aged", "fresh", "partly used", "fresh, long ago"])
 def test_a_decode_steps_write_and_fetch_equal_the_torch_path(monkeypatch, age_block, state):
     monkeypatch.setattr(hot_rows, "AGE_BLOCK", age_block)
     g = torch.Generator().manual_seed(0)
