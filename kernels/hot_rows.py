@@ -8,10 +8,8 @@ Reference: TieredLatent's torch path (`write` and `fetch`, which take any number
 to it on random cache states, every table equal after each step. The LRU victims are theirs too: the K least recently
 used slots in topk_triton.topk_indices' order, of which the misses take the first, in order. While K slots of the
 LRU part were never used (TieredLatent.unused: within a context the hot buffer holds, 12.8K of GLM-5's rows in 8
-MiB) those are the K least recent, and being taken lowest-numbered first they are the last `unused` slots: the misses
-take them in order without reading an age (the H200 took 24.7 us for a 4K step's write and fetch whose one miss, the
-row that left the window, had its victim found by a pass over the ages, 8.1 us for one of hits alone:
-bench/RESULTS.md); otherwise a one-program radix select over the slots' ages finds them (~50 us for GLM-5's 12K slots).
+MiB) those are the K least recent and the fetch takes them without a select; otherwise a one-program radix select
+over the slots' ages finds them (~50 us for GLM-5's 12K slots on an H200, bench/RESULTS.md).
 """
 
 import torch
@@ -69,18 +67,13 @@ def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr
     if n_miss > 0:
         tl.debug_barrier()  # the hits' stamps written: their slots are the youngest, never victims
         unused = tl.load(unused_ptr)
-        rank = tl.cumsum(miss.to(tl.int32), 0) - 1  # each miss's victim: the rank-th least recent slot
-        if (unused >= K) & (step <= OLDEST):  # the never-used slots [LRU - unused, LRU) are strictly the oldest (a
-            # used one's age is below step), taken in ascending order: no pass over the ages
-            lru_slot = tl.where(miss, LRU - unused + rank, 0)
+        if unused >= K:  # the K least recent are never-used slots (of the oldest age, stamp 0): no select
+            kth, ties = tl.minimum(step, OLDEST).to(tl.uint32), tl.zeros((), tl.int32) + K
         else:
-            if unused >= K:  # the K least recent are of the oldest age, the never-used ones' (stamp 0): no select
-                kth, ties = tl.minimum(step, OLDEST).to(tl.uint32), tl.zeros((), tl.int32) + K
-            else:
-                kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
-            _write_top_of_row(stamp_ptr, LRU, K, kth, ties, n_miss, victims_ptr, step, OLDEST, True, BLOCK)
-            tl.debug_barrier()
-            lru_slot = tl.load(victims_ptr + rank, mask=miss, other=0)
+            kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
+        _write_top_of_row(stamp_ptr, LRU, K, kth, ties, n_miss, victims_ptr, step, OLDEST, True, BLOCK)
+        tl.debug_barrier()
+        lru_slot = tl.load(victims_ptr + tl.cumsum(miss.to(tl.int32), 0) - 1, mask=miss, other=0)
         evicted = tl.load(token_ptr + lru_slot, mask=miss, other=-1)
         tl.store(unused_ptr, unused - tl.sum((miss & (evicted < 0)).to(tl.int64)))
         tl.store(slot_ptr + evicted, -1, mask=miss & (evicted >= 0))

@@ -18,7 +18,7 @@ WINDOW, LRU, WIDTH, K = 8, 48, 20, 16  # 20-byte rows: 5 words; K selections a s
 
 def tier_pair(g: torch.Generator, state: str) -> tuple[TieredLatent, TieredLatent]:
     """Two caches in one state: 150 tokens written by a prefill; fresh (every LRU slot unused: the first fetches'
-    victims are the lowest-numbered of them), fresh long ago (K slots unused, the used ones' ages past OLDEST: tied
+    victims need no select), fresh long ago (K slots unused, the used ones' ages past OLDEST: tied
     with theirs, so the used come first among the victims), partly used (K - 2 slots unused: the used ones older than
     the K-th least recent come first among the victims), or aged: every LRU slot used (by tokens never selected here), stamps from long ago
     (ages past OLDEST: tied) and recent ones (distinct and tied)."""
@@ -65,9 +65,7 @@ def assert_same(a: TieredLatent, b: TieredLatent):
     assert torch.equal(a.slot_of, b.slot_of)
     assert torch.equal(a.token_of[:LRU], b.token_of[:LRU]) and torch.equal(a.stamp[:LRU], b.stamp[:LRU])
     assert int(a.step) == int(b.step) and int(a.hits) == int(b.hits) and int(a.misses) == int(b.misses)
-    # the never-used slots are the last `unused` (the kernel's victims while K of them are left)
-    never_used = torch.arange(LRU - int(a.unused), LRU, device=a.token_of.device)
-    assert int(a.unused) == int(b.unused) and torch.equal((a.token_of[:LRU] < 0).nonzero().flatten(), never_used)
+    assert int(a.unused) == int(b.unused) == int((a.token_of[:LRU] < 0).sum())
     assert torch.equal(a.host, b.host) and torch.equal(a.hot[:-1], b.hot[:-1])  # (the last: the dummy slot)
 
 
