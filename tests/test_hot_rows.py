@@ -18,10 +18,10 @@ WINDOW, LRU, WIDTH, K = 8, 48, 20, 16  # 20-byte rows: 5 words; K selections a s
 
 def tier_pair(g: torch.Generator, state: str) -> tuple[TieredLatent, TieredLatent]:
     """Two caches in one state: 150 tokens written by a prefill; fresh (every LRU slot unused: the first fetches'
-    victims need no select), fresh long ago (K slots unused, the used ones' ages past OLDEST: tied
-    with theirs, so the used come first among the victims), partly used (K - 2 slots unused: the used ones older than
-    the K-th least recent come first among the victims), or aged: every LRU slot used (by tokens never selected here), stamps from long ago
-    (ages past OLDEST: tied) and recent ones (distinct and tied)."""
+    victims need no select), fresh long ago (K slots unused, the used ones' ages past OLDEST: tied with theirs, so the
+    used come first among the victims), partly used (K - 2 slots unused: the used ones older than the K-th least
+    recent come first among the victims), or aged: every LRU slot used (by tokens never selected here), stamps from
+    long ago (ages past OLDEST: tied) and recent ones (distinct and tied)."""
     pair = []
     prefill = torch.randint(0, 256, (150, WIDTH), generator=g, dtype=torch.uint8)
     for _ in range(2):
