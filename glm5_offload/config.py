@@ -228,7 +228,8 @@ def _mlp_layer_types(f: _Fields, n_layers: int) -> tuple[str, ...]:
     return tuple(["dense"] * n_dense + ["moe"] * (n_layers - n_dense))
 
 
-def _eos_ids(f: _Fields) -> list[int]:
+def _eos_ids(f: _Fields, vocab: int) -> list[int]:
+    """eos_token_id, one id or a list, each a token of the vocabulary (one past it would never end a reply)."""
     eos = f.raw.get("eos_token_id")
     if isinstance(eos, int) and not isinstance(eos, bool):
         eos = [eos]
@@ -236,6 +237,9 @@ def _eos_ids(f: _Fields) -> list[int]:
         eos = []
     if not isinstance(eos, list) or any(not isinstance(e, int) or isinstance(e, bool) for e in eos):
         f.fail("eos_token_id", f"must be an integer or a list of integers, got {eos!r}")
+    for e in eos:
+        if not 0 <= e < vocab:
+            f.fail("eos_token_id", f"holds {e}, not a token id of the vocabulary (0..{vocab - 1})")
     return eos
 
 
@@ -356,14 +360,15 @@ def _parse(f: _Fields, model_type: str, path: str, extra: dict | None = None) ->
     top_k = f.positive("num_experts_per_tok")
     if top_k > n_experts // n_group * topk_group:
         f.fail("num_experts_per_tok", f"{top_k} is more than the {topk_group} kept groups hold")
-    eos = _eos_ids(f)
+    vocab = f.positive("vocab_size")
+    eos = _eos_ids(f, vocab)
     dtype = f.get("dtype", str, None) or f.get("torch_dtype", str, "bfloat16")
     if dtype not in DTYPES:
         f.fail("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return ModelConfig(
         path=path,
         model_type=model_type,
-        vocab_size=f.positive("vocab_size"),
+        vocab_size=vocab,
         hidden_size=f.positive("hidden_size"),
         intermediate_size=f.positive("intermediate_size"),
         moe_intermediate_size=f.positive("moe_intermediate_size"),
@@ -429,5 +434,5 @@ def load_config(path: str | Path) -> ModelConfig:
     if not generation.is_file():
         return config
     # the end-of-turn ids a release may keep only here (transformers' generate stops at them): added to config.json's
-    extra = _eos_ids(_Fields(_json_object(generation), str(generation)))
+    extra = _eos_ids(_Fields(_json_object(generation), str(generation)), config.vocab_size)
     return replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *extra])))

@@ -97,7 +97,10 @@ def test_ill_typed_field(tmp_path, field, value):
     ("n_shared_experts", -1, "must be >= 0, got -1"), ("num_nextn_predict_layers", -1, "must be >= 0, got -1"),
     # counts of modules the tree is built with: a billion layers or experts took minutes and all memory to build
     ("num_hidden_layers", 10**9, "1000000000 is more than 1024, the most this engine builds"),
-    ("n_routed_experts", 10**9, "1000000000 is more than 4096, the most this engine builds")])
+    ("n_routed_experts", 10**9, "1000000000 is more than 4096, the most this engine builds"),
+    # an end id past the vocabulary never ends a reply: the model would talk on to max tokens, silently
+    ("eos_token_id", [154820, 154880], "holds 154880, not a token id of the vocabulary (0..154879)"),
+    ("eos_token_id", -1, "holds -1, not a token id of the vocabulary (0..154879)")])
 def test_out_of_range_field(tmp_path, field, value, why):
     assert f"'{field}' {why}" in error_of(raw(**{field: value}), tmp_path)
 
@@ -156,6 +159,9 @@ def test_generation_config_adds_its_end_of_turn_ids(tmp_path):
     raw["eos_token_id"] = 154827
     (tmp_path / "config.json").write_text(json.dumps(raw))
     assert load_config(tmp_path).eos_token_ids == (154827, 154820, 154829)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [154820, 200000]}')
+    with pytest.raises(Glm5Error, match="generation_config.json: field 'eos_token_id' holds 200000, not a token id"):
+        load_config(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": "end"}')
     with pytest.raises(Glm5Error, match="generation_config.json: field 'eos_token_id' must be an integer or a list"):
         load_config(tmp_path)
