@@ -2,7 +2,7 @@
 bandwidth measured in the same run and against a torch CPU baseline on the same weights.
 
     PYTHONPATH=. python3 bench/bench_experts.py [--preset glm-5] [--experts 256] [--threads N]
-        [--formats bf16,int8,int4] [--prefetch 0,1024,4096] [--tiles 64,512,2048]
+        [--formats bf16,int8,int4] [--prefetch 0,1024,4096] [--sweep ROW_BLOCK=16,32,64] [--tiles 64,512,2048]
 
 --preset takes the layer's dims (hidden, expert intermediate, routed experts, experts per token) from a shipped
 preset's config (glm-5: 6144, 2048, 256, 8; glm-5.3-flash: 4096, 2048, 288, 8; deepseek-v3.2: 7168, 2048, 256, 8).
@@ -16,7 +16,9 @@ time, as a plain torch implementation would. Weights are generated in place, nev
 
 Beside the read bandwidth, one core's compute ceiling: the int4 x int8 row dot over rows that stay in L2 (no DRAM
 read), for one token and for four. --prefetch D1,D2,... times int4 + int8-activation decode with moe_cpu's
-PREFETCH_AHEAD set to each distance, each in a fresh process with its own numba cache, in alternating rounds.
+PREFETCH_AHEAD set to each distance, each in a fresh process with its own numba cache, in alternating rounds;
+--sweep NAME=V1,V2,... the same for another of moe_cpu's compiled-in constants: PREFETCH_FAR (the far prefetch's
+distance) or ROW_BLOCK (the output rows a thread's work item of the down projection takes, a multiple of 16).
 --tiles N1,N2,... times int4 + int8-activation prefill of chunks of N tokens with moe_cpu's tiles (16 rows x up
 to 8 tokens a vpdpbusd pass) and without them (row dots), each way in a fresh process.
 """
@@ -164,25 +166,28 @@ def _percentile(values, q):
     return sorted(values)[min(len(values) - 1, int(q * len(values)))]
 
 
-def prefetch_sweep(distances, experts, group, threads, preset, rounds=2) -> list[dict]:
-    """int4 + int8-activation decode at each prefetch distance, every one in its own process and numba cache
-    (the distance is compiled in), the distances taken in turn `rounds` times."""
+SWEPT = ("PREFETCH_AHEAD", "PREFETCH_FAR", "ROW_BLOCK")  # moe_cpu's constants --sweep may set
+
+
+def constant_sweep(name, values, experts, group, threads, preset, rounds=2) -> list[dict]:
+    """int4 + int8-activation decode with moe_cpu's constant `name` at each value, every one in its own process and
+    numba cache (the constant is compiled in), the values taken in turn `rounds` times."""
     code = ("import json, sys; sys.path.insert(0, 'bench'); import numpy as np, bench_experts as b; "
-            "from glm5_offload.kernels import moe_cpu; moe_cpu.PREFETCH_AHEAD = {d}; b.use_preset({p!r}); "
+            "from glm5_offload.kernels import moe_cpu; moe_cpu.{name} = {v}; b.use_preset({p!r}); "
             "layer = b.random_layer('int4', {e}, {g}); t, n = b.decode_times('int4', layer, {e}, {g}, {t}, "
             "np.random.default_rng(0), True); print(json.dumps([b._percentile(t, 0.5), n]))")
-    results = {d: [] for d in distances}
+    results = {v: [] for v in values}
     for _ in range(rounds):
-        for d in distances:
+        for v in values:
             with tempfile.TemporaryDirectory() as cache:
-                script = code.format(d=d, e=experts, g=group, t=threads, p=preset)
+                script = code.format(name=name, v=v, e=experts, g=group, t=threads, p=preset)
                 proc = subprocess.run([sys.executable, "-c", script],
                                       env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True,
                                       check=True)
             seconds, nbytes = json.loads(proc.stdout.strip().splitlines()[-1])
-            results[d].append({"decode_ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9})
-            print(f"prefetch {d} B: {seconds * 1e3:.2f} ms", flush=True)
-    return [{"prefetch_bytes": d, "runs": r} for d, r in results.items()]
+            results[v].append({"decode_ms": seconds * 1e3, "gb_s": nbytes / seconds / 1e9})
+            print(f"{name} {v}: {seconds * 1e3:.2f} ms", flush=True)
+    return [{"constant": name, "value": v, "runs": r} for v, r in results.items()]
 
 
 def prefill_seconds(run, experts, tokens, rng) -> float:
@@ -263,6 +268,24 @@ def distances(text: str) -> list[int]:
     return values
 
 
+def sweep(text: str) -> tuple[str, list[int]]:
+    """--sweep's value: NAME=V1,V2,... (NAME one of SWEPT; a ROW_BLOCK a positive multiple of the tiles' rows)."""
+    name, _, values = text.partition("=")
+    if name not in SWEPT:
+        raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(SWEPT)} (as NAME=V1,V2,...)")
+    try:
+        numbers = [int(v) for v in values.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: integers separated by commas after the name, e.g. "
+                                         "ROW_BLOCK=16,32,64") from None
+    if name == "ROW_BLOCK" and any(v <= 0 or v % moe_cpu.TILE_ROWS for v in numbers):
+        raise argparse.ArgumentTypeError(f"{text!r}: ROW_BLOCK values must be positive multiples of "
+                                         f"{moe_cpu.TILE_ROWS}")
+    if any(v < 0 for v in numbers):
+        raise argparse.ArgumentTypeError(f"{text!r}: a prefetch distance cannot be negative")
+    return name, numbers
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="glm-5", help="the layer's dims: a shipped preset or a config.json")
@@ -273,6 +296,8 @@ def main(argv=None):
                         help="weight formats; +a8: with int8 activations (integer dots)")
     parser.add_argument("--prefetch", type=distances, default=[], help="int4 + int8-activation decode at these prefetch distances "
                                                            "(bytes, comma-separated; 0: none), each compiled fresh")
+    parser.add_argument("--sweep", type=sweep, help="int4 + int8-activation decode with one of moe_cpu's constants "
+                        f"({', '.join(SWEPT)}) at each value, NAME=V1,V2,..., each compiled fresh")
     parser.add_argument("--tiles", type=distances, default=[], help="int4 + int8-activation prefill of chunks of these "
                         "token counts, with tiles and with row dots, each compiled fresh")
     parser.add_argument("--json", help="write the figures here too")
@@ -289,13 +314,15 @@ def main(argv=None):
     results["row_dot_one_core"] = row = row_dot_gb_s(args.group, rng)
     print(f"one core's int4 x int8 row dots from L2: {row['one_vector_gb_s']:.1f} GB/s of weights for one token, "
           f"{row['four_vectors_gb_s']:.1f} GB/s-equivalent for four", flush=True)
-    if args.prefetch:
-        results["prefetch"] = prefetch_sweep(args.prefetch, args.experts, args.group, args.threads, args.preset)
-        print("\n| prefetch bytes | decode ms, each round | GB/s | of read BW |\n| --- | --- | --- | --- |")
-        for p in results["prefetch"]:
+    sweeps = ([("PREFETCH_AHEAD", args.prefetch)] if args.prefetch else []) + ([args.sweep] if args.sweep else [])
+    for name, values in sweeps:
+        rows = constant_sweep(name, values, args.experts, args.group, args.threads, args.preset)
+        results.setdefault("sweeps", []).extend(rows)
+        print(f"\n| {name} | decode ms, each round | GB/s | of read BW |\n| --- | --- | --- | --- |")
+        for p in rows:
             gb_s = sorted(r["gb_s"] for r in p["runs"])
             times = ", ".join(f"{r['decode_ms']:.2f}" for r in p["runs"])
-            print(f"| {p['prefetch_bytes']} | {times} | {gb_s[0]:.1f}-{gb_s[-1]:.1f} | {gb_s[-1] / read:.0%} |")
+            print(f"| {p['value']} | {times} | {gb_s[0]:.1f}-{gb_s[-1]:.1f} | {gb_s[-1] / read:.0%} |")
     if args.tiles:
         results["tiles"] = tiles_sweep(args.tiles, args.experts, args.group, args.threads, args.preset)
         print("\n| chunk tokens | tiles ms (GFLOP/s) | row dots ms (GFLOP/s) | tiles / row dots |\n| --- | --- | --- | --- |")
