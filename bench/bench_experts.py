@@ -257,12 +257,16 @@ def bench_format(fmt, layer, experts, group, threads, read_gb_s, rng, act_int8=F
     }
 
 
+def _integers(text: str, what: str, example: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {what} separated by commas, e.g. {example}") from None
+
+
 def distances(text: str) -> list[int]:
     """--prefetch's value: comma-separated byte counts >= 0."""
-    try:
-        values = [int(d) for d in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: byte counts separated by commas, e.g. 0,1024,4096") from None
+    values = _integers(text, "byte counts", "0,1024,4096")
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: a prefetch distance cannot be negative")
     return values
@@ -273,17 +277,13 @@ def sweep(text: str) -> tuple[str, list[int]]:
     name, _, values = text.partition("=")
     if name not in SWEPT:
         raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(SWEPT)} (as NAME=V1,V2,...)")
-    try:
-        numbers = [int(v) for v in values.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: integers separated by commas after the name, e.g. "
-                                         "ROW_BLOCK=16,32,64") from None
-    if name == "ROW_BLOCK" and any(v <= 0 or v % moe_cpu.TILE_ROWS for v in numbers):
+    if name != "ROW_BLOCK":
+        return name, distances(values)
+    rows = _integers(values, "row counts", "16,32,64")
+    if any(v <= 0 or v % moe_cpu.TILE_ROWS for v in rows):
         raise argparse.ArgumentTypeError(f"{text!r}: ROW_BLOCK values must be positive multiples of "
                                          f"{moe_cpu.TILE_ROWS}")
-    if any(v < 0 for v in numbers):
-        raise argparse.ArgumentTypeError(f"{text!r}: a prefetch distance cannot be negative")
-    return name, numbers
+    return name, rows
 
 
 def main(argv=None):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from glm5_offload.chat import ReplyStream
+
 from conftest import cli_env
 
 STATS = re.compile(r"\[prefill (\d+) tok at [\d.]+ tok/s · decode (\d+) tok at [\d.]+ tok/s · context (\d+)/(\d+)\]")
@@ -297,8 +299,6 @@ def test_piped_lines_that_are_not_utf8_or_beyond_the_context(tiny_dir):
 def test_reasoning_streams_without_waiting_on_a_think_end_that_is_not_starting():
     """ReplyStream hands on each reasoning piece as it decodes, holding back only text that may begin </think> (a
     reasoning stream used to trail by seven characters); </think> split over tokens still ends the reasoning."""
-    from glm5_offload.chat import ReplyStream
-
     pieces = ["Let", " me", " think", " a<", "/", "th", "ink>", "\n", "Yes", " </b>"]
 
     class Tokenizer:
