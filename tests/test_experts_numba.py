@@ -1,5 +1,7 @@
 """experts.numba under the rules engine: formats, the on-disk cache, parity, and bad kwargs."""
 
+import ctypes.util
+import importlib.util
 import os
 import subprocess
 import sys
@@ -491,3 +493,30 @@ def test_int8_activations_keep_a_trained_models_greedy_tokens(trained_checkpoint
     agree = {a: greedy_agreement(load_model(path, dtype=torch.bfloat16, rules=numba_rules(
         tmp_path, fmt, 32, name=f"{a}.yaml", activations=a)), prompt, tokens) for a in ("fp32", "int8")}
     assert min(agree.values()) >= 0.9, agree
+
+
+@pytest.mark.parametrize("setting", [None, "omp", "workqueue", "forksafe", "tbb", "nonsense"])
+def test_a_slow_or_missing_threading_layer_is_named(setting):
+    """numba's workqueue threads run the experts at half OpenMP's speed: a fallback to them (no libgomp, no TBB:
+    here OpenMP's pool made unimportable) or a NUMBA_THREADING_LAYER that leads there is named with its fix; one
+    numba cannot load is one line."""
+    if setting is None and importlib.util.find_spec("tbb") is not None:
+        pytest.skip("TBB is installed: numba would take it")
+    if setting == "omp" and ctypes.util.find_library("gomp") is None:
+        pytest.skip("no libgomp here")
+    code = ("import sys; sys.modules['numba.np.ufunc.omppool'] = None\n" * (setting is None)
+            + "from glm5_offload.errors import Glm5Error; from glm5_offload.ops.experts_numba import slow_threading_layer"
+            "\ntry: print(slow_threading_layer())\nexcept Glm5Error as e: print('error:', e)")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env.update({"NUMBA_THREADING_LAYER": setting} if setting else {})
+    said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    slow = "the CPU experts run on numba's workqueue threads, about half as fast as on OpenMP's: "
+    expected = {"omp": "None", None: slow + "numba found neither libgomp nor TBB (install libgomp1 with the system's packages, or pip "
+                             "install tbb)",
+                "workqueue": slow + "unset NUMBA_THREADING_LAYER=workqueue",
+                "forksafe": slow + "unset NUMBA_THREADING_LAYER=forksafe",
+                "tbb": "error: NUMBA_THREADING_LAYER=tbb: No threading layer could be loaded.",
+                "nonsense": "error: NUMBA_THREADING_LAYER=nonsense: The threading layer requested 'nonsense' is unknown "
+                            "to Numba."}
+    assert said == expected[setting]

@@ -32,6 +32,7 @@ from ..disk_store import DiskStore
 from ..errors import Glm5Error
 from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
 from ..kernels import experts_triton, moe_cpu
+from ..kernels.host_read import read_sum
 from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
 from .base import Buffer, BuildContext, PlanContext, Slot
@@ -72,6 +73,23 @@ def bound_by_openmp() -> str | None:
     return (f"the CPU experts have {threads} thread{'s' * (threads > 1)} on this machine's {cores} cores: "
             f"{' '.join(f'{k}={v}' for k, v in binding.items())} made the OpenMP runtime bind this process to "
             f"{threads} core{'s' * (threads > 1)} as torch loaded it; unset {' and '.join(binding)} to use every core")
+
+
+def slow_threading_layer() -> str | None:
+    """Why the experts' threads are slow, where numba runs them on its own workqueue layer because it found neither
+    OpenMP (libgomp) nor TBB (None otherwise): on the H100 machine's 16-core host a GLM-5 layer's decode took
+    1.87-1.95 ms on it against 0.90-0.98 ms on OpenMP (bench/RESULTS.md). Minimal container images lack libgomp.
+    A NUMBA_THREADING_LAYER numba cannot load is one line here, not a traceback at the first token."""
+    try:
+        read_sum(np.ones((1, 1), np.float32))  # numba loads its threading layer at the first parallel call
+    except ValueError as e:
+        raise Glm5Error(f"NUMBA_THREADING_LAYER={numba.config.THREADING_LAYER}: {str(e).splitlines()[0]}") from None
+    if numba.threading_layer() != "workqueue":
+        return None
+    slow = "the CPU experts run on numba's workqueue threads, about half as fast as on OpenMP's: "
+    if numba.config.THREADING_LAYER != "default":  # asked for, or a category (forksafe) that led there
+        return slow + f"unset NUMBA_THREADING_LAYER={numba.config.THREADING_LAYER}"
+    return slow + "numba found neither libgomp nor TBB (install libgomp1 with the system's packages, or pip install tbb)"
 
 
 def expert_store(root: Path, model_dir: Path, fmt: str, group: int) -> DiskStore:
@@ -445,8 +463,9 @@ class NumbaExpertsOperator(ExpertsOperator):
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
-        if problem := bound_by_openmp():
-            log.warning("%s", problem)
+        for problem in (bound_by_openmp(), slow_threading_layer()):
+            if problem:
+                log.warning("%s", problem)
 
 
 NUMBA_EXPERTS = NumbaExpertsOperator(
