@@ -505,18 +505,20 @@ def test_a_slow_or_missing_threading_layer_is_named(setting):
     if setting == "omp" and ctypes.util.find_library("gomp") is None:
         pytest.skip("no libgomp here")
     code = ("import sys; sys.modules['numba.np.ufunc.omppool'] = None\n" * (setting is None)
-            + "from glm5_offload.errors import Glm5Error; from glm5_offload.ops.experts_numba import slow_threading_layer"
+            + "from glm5_offload.errors import Glm5Error\n"
+            "from glm5_offload.ops.experts_numba import slow_threading_layer"
             "\ntry: print(slow_threading_layer())\nexcept Glm5Error as e: print('error:', e)")
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
     env.update({"NUMBA_THREADING_LAYER": setting} if setting else {})
     said = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
     slow = "the CPU experts run on numba's workqueue threads, about half as fast as on OpenMP's: "
-    expected = {"omp": "None", None: slow + "numba found neither libgomp nor TBB (install libgomp1 with the system's packages, or pip "
+    expected = {"omp": "None",
+                None: slow + "numba found neither libgomp nor TBB (install libgomp1 with the system's packages, or pip "
                              "install tbb)",
                 "workqueue": slow + "unset NUMBA_THREADING_LAYER=workqueue",
                 "forksafe": slow + "unset NUMBA_THREADING_LAYER=forksafe",
                 "tbb": "error: NUMBA_THREADING_LAYER=tbb: No threading layer could be loaded.",
-                "nonsense": "error: NUMBA_THREADING_LAYER=nonsense: The threading layer requested 'nonsense' is unknown "
-                            "to Numba."}
+                "nonsense": "error: NUMBA_THREADING_LAYER=nonsense: The threading layer requested 'nonsense' is "
+                            "unknown to Numba."}
     assert said == expected[setting]

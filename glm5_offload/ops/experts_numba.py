@@ -89,7 +89,8 @@ def slow_threading_layer() -> str | None:
     slow = "the CPU experts run on numba's workqueue threads, about half as fast as on OpenMP's: "
     if numba.config.THREADING_LAYER != "default":  # asked for, or a category (forksafe) that led there
         return slow + f"unset NUMBA_THREADING_LAYER={numba.config.THREADING_LAYER}"
-    return slow + "numba found neither libgomp nor TBB (install libgomp1 with the system's packages, or pip install tbb)"
+    return slow + ("numba found neither libgomp nor TBB (install libgomp1 with the system's packages, or pip install "
+                   "tbb)")
 
 
 def expert_store(root: Path, model_dir: Path, fmt: str, group: int) -> DiskStore:
