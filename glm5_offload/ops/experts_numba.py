@@ -45,7 +45,8 @@ STORE_VERSION = 2
 # CPU half two cores short (session 23) 0.75-0.88x at 256-512, 0.60-0.90x at 1024, 0.96x at 2048, 1.82x at 4096
 SPLIT_TOKENS = 1024
 _pinned: dict[tuple, torch.Tensor] = {}
-_cpu_half = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu-half")  # a split chunk's CPU half (numba frees the GIL)
+# a split chunk's CPU half (numba frees the GIL)
+_cpu_half = ThreadPoolExecutor(1, thread_name_prefix="experts-cpu-half")
 log = logging.getLogger("glm5_offload")
 
 
