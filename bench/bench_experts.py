@@ -272,6 +272,14 @@ def distances(text: str) -> list[int]:
     return values
 
 
+def chunks(text: str) -> list[int]:
+    """--tiles' value: comma-separated token counts > 0."""
+    values = _integers(text, "token counts", "64,512,2048")
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: a chunk holds at least one token")
+    return values
+
+
 def sweep(text: str) -> tuple[str, list[int]]:
     """--sweep's value: NAME=V1,V2,... (NAME one of SWEPT; a ROW_BLOCK a positive multiple of the tiles' rows)."""
     name, _, values = text.partition("=")
@@ -294,11 +302,12 @@ def main(argv=None):
     parser.add_argument("--group", type=int, default=128)
     parser.add_argument("--formats", default="bf16,int8,int4,int8+a8,int4+a8",
                         help="weight formats; +a8: with int8 activations (integer dots)")
-    parser.add_argument("--prefetch", type=distances, default=[], help="int4 + int8-activation decode at these prefetch distances "
-                                                           "(bytes, comma-separated; 0: none), each compiled fresh")
+    parser.add_argument("--prefetch", type=distances, default=[],
+                        help="int4 + int8-activation decode at these prefetch distances (bytes, comma-separated; 0: "
+                        "none), each compiled fresh")
     parser.add_argument("--sweep", type=sweep, help="int4 + int8-activation decode with one of moe_cpu's constants "
                         f"({', '.join(SWEPT)}) at each value, NAME=V1,V2,..., each compiled fresh")
-    parser.add_argument("--tiles", type=distances, default=[], help="int4 + int8-activation prefill of chunks of these "
+    parser.add_argument("--tiles", type=chunks, default=[], help="int4 + int8-activation prefill of chunks of these "
                         "token counts, with tiles and with row dots, each compiled fresh")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
