@@ -9,7 +9,7 @@ from glm5_offload.loader import load_model
 from glm5_offload.model import CUT, HostStep, build_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.decode_graphs import DecodeGraphs, pieces, unsupported
-from glm5_offload.runtime.engine import Engine
+from glm5_offload.runtime.engine import Engine, SamplingParams
 from glm5_offload.runtime.kv_cache import new_cache
 
 from conftest import rel_err
@@ -125,7 +125,8 @@ def test_engine_decodes_the_same_tokens_from_graphs(hf_checkpoint, tmp_path):
         engine.stop_ids = set()
         out = engine.generate(first, 40).output_ids
         second = first + out[:20] + list(range(60, 70))  # a chat's next turn: the cache rewinds to a prefix
-        results.append((out, engine.generate(second, 30).output_ids))
+        sampled = engine.generate(first, 20, SamplingParams(temperature=1.0, top_p=0.95, seed=3)).output_ids
+        results.append((out, engine.generate(second, 30).output_ids, sampled))  # (a seed's draws on the GPU)
         assert (engine.graphs is not None) == graphs
     assert results[0] == results[1]
 

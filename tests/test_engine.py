@@ -37,10 +37,19 @@ def test_top_k_1_and_tiny_top_p_are_greedy(engine):
     assert engine.generate(PROMPT, 10, SamplingParams(temperature=2.0, top_p=1e-6, seed=1)).output_ids == greedy
 
 
-def test_sample_filters():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    gen = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sample_filters(device):
+    """Drawn on the logits' device (a GPU's draw with a generator of its own), each filter's set and nothing else;
+    a seed draws the same tokens again."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], device=device))
+    gen = torch.Generator(device).manual_seed(0)
     draws = lambda p: {sample(logits, p, gen) for _ in range(300)}  # noqa: E731
+
+    def seeded(logits):
+        g = torch.Generator(device).manual_seed(5)
+        return [sample(logits, SamplingParams(temperature=1.0), g) for _ in range(20)]
+
+    assert seeded(logits) == seeded(logits) == seeded(logits.cpu())  # (logits elsewhere go to the generator)
     assert draws(SamplingParams(temperature=1.0)) == {0, 1, 2, 3}
     assert draws(SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
     assert draws(SamplingParams(temperature=1.0, top_p=0.6)) == {0, 1}

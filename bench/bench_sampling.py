@@ -1,0 +1,44 @@
+"""A sampled token's cost: engine.sample on GLM-5's vocabulary (154,880 logits) where the logits are (a GPU's
+multinomial, what the engine does) against the draw on the CPU (sample() with a host generator: the filters where the
+logits are, their probabilities copied to the host for torch's CPU multinomial, as the engine drew before session 42).
+
+    PYTHONPATH=. python3 bench/bench_sampling.py [--vocab 154880] [--device cuda] [--tokens 200]
+
+Prints ms a token for greedy, temperature 1, and temperature 1 with top-p 0.95 (chat's and serve's default).
+"""
+
+import argparse
+import time
+
+import torch
+
+from glm5_offload.runtime.engine import SamplingParams, sample
+
+
+def ms_a_token(draw, logits, params, generator, tokens) -> float:
+    draw(logits, params, generator)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        draw(logits, params, generator)
+    return (time.perf_counter() - t0) / tokens * 1e3
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vocab", type=int, default=154880)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=200)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    logits = torch.randn(args.vocab, device=device) * 4
+    print(f"| sampling ({args.vocab} logits on {args.device}) | draw on the logits' device ms | draw on the CPU ms | "
+          "ratio |\n| --- | --- | --- | --- |")
+    for name, params in [("greedy", SamplingParams()), ("temperature 1", SamplingParams(temperature=1.0)),
+                         ("temperature 1, top-p 0.95", SamplingParams(temperature=1.0, top_p=0.95))]:
+        here = ms_a_token(sample, logits, params, torch.Generator(device).manual_seed(0), args.tokens)
+        host = ms_a_token(sample, logits, params, torch.Generator().manual_seed(0), args.tokens)
+        print(f"| {name} | {here:.3f} | {host:.3f} | {host / here:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
