@@ -15,6 +15,23 @@ import torch
 from glm5_offload.runtime.engine import SamplingParams, sample
 
 
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1")
+    return value
+
+
+def device_name(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a torch device (cpu, cuda, cuda:1)") from None
+
+
 def ms_a_token(draw, logits, params, generator, tokens) -> float:
     draw(logits, params, generator)
     t0 = time.perf_counter()
@@ -25,11 +42,13 @@ def ms_a_token(draw, logits, params, generator, tokens) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--vocab", type=int, default=154880)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--vocab", type=positive, default=154880)
+    parser.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=positive, default=200)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA GPU here")
     logits = torch.randn(args.vocab, device=device) * 4
     print(f"| sampling ({args.vocab} logits on {args.device}) | draw on the logits' device ms | draw on the CPU ms | "
           "ratio |\n| --- | --- | --- | --- |")
