@@ -28,6 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numba
 import numpy as np
 import torch
 
@@ -216,7 +217,8 @@ def experts_huge_pages(model) -> tuple[int, int] | None:
 
 def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: float | None = None) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
-    measured decode's fraction of it, the experts timed alone (experts_alone; replayed_ms: experts_replayed's), and
+    measured decode's fraction of it, numba's threads and threading layer (workqueue: half OpenMP's speed), the
+    experts timed alone (experts_alone; replayed_ms: experts_replayed's), and
     the bytes of the memory holding the CPU experts in huge pages (a 4 KiB page a TLB entry slows their read:
     checkpoint.read_into_memory asks for 2 MiB ones); None where the experts are not all on the CPU."""
     model = engine.model
@@ -229,6 +231,7 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: f
     alone_ms = experts_alone(model)
     pages = experts_huge_pages(model)
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
+            "experts_threads": numba.get_num_threads(), "threading_layer": numba.threading_layer(),
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
             "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,
             "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9),
@@ -276,7 +279,8 @@ def format_table(r: dict) -> str:
     if bound:
         lines.append(f"  host-bandwidth bound: {bound['expert_bytes_per_token'] / 1e6:.1f} MB of routed experts a token "
                      f"at {bound['host_read_gb_s']:.1f} GB/s read = {bound['bound_tok_s']:.1f} tok/s; decode is "
-                     f"{bound['of_bound']:.1%} of it")
+                     f"{bound['of_bound']:.1%} of it; the experts on {bound['experts_threads']} threads (numba's "
+                     f"{bound['threading_layer']} layer)")
         if bound["experts_alone_ms_per_token"]:
             step = (r["graph_split_ms_per_token"] or r["split_ms_per_token"])["experts"]
             replayed = bound["experts_replayed_ms_per_token"]

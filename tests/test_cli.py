@@ -297,6 +297,8 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     bound = r["host_bound"]  # the CPU experts' bytes a token at the host's read bandwidth
     assert bound["expert_bytes_per_token"] > 0 and bound["host_read_gb_s"] > 0 and 0 < bound["of_bound"]
     assert "host-bandwidth bound" in table
+    assert f"the experts on {bound['experts_threads']} threads (numba's {bound['threading_layer']} layer)" in table
+    assert bound["experts_threads"] >= 1 and bound["threading_layer"] in ("omp", "tbb", "workqueue")
     # the tiny model's int4 experts read into memory of their own: its mappings, some of it perhaps in huge pages
     assert bound["experts_mapped_bytes"] > 0 and 0 <= bound["experts_huge_page_bytes"] <= bound["experts_mapped_bytes"]
     assert "the CPU experts' memory" in table
