@@ -4,7 +4,8 @@ logits are, their probabilities copied to the host for torch's CPU multinomial, 
 
     PYTHONPATH=. python3 bench/bench_sampling.py [--vocab 154880] [--device cuda] [--tokens 200]
 
-Prints ms a token for greedy, temperature 1, and temperature 1 with top-p 0.95 (chat's and serve's default).
+Prints ms a token for greedy, temperature 1, and temperature 1 with top-p 0.95 (chat's and serve's default), each as
+a multiple of greedy's (argmax and one wait for the host: the floor of any draw) and against the host's draw.
 """
 
 import argparse
@@ -50,13 +51,15 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {device}: no CUDA GPU here")
     logits = torch.randn(args.vocab, device=device) * 4
-    print(f"| sampling ({args.vocab} logits on {args.device}) | draw on the logits' device ms | draw on the CPU ms | "
-          "ratio |\n| --- | --- | --- | --- |")
+    print(f"| sampling ({args.vocab} logits on {args.device}) | draw on the logits' device ms | x greedy (the floor: "
+          "argmax and one wait) | draw on the CPU ms | CPU / device |\n| --- | --- | --- | --- | --- |")
+    greedy = None
     for name, params in [("greedy", SamplingParams()), ("temperature 1", SamplingParams(temperature=1.0)),
                          ("temperature 1, top-p 0.95", SamplingParams(temperature=1.0, top_p=0.95))]:
         here = ms_a_token(sample, logits, params, torch.Generator(device).manual_seed(0), args.tokens)
         host = ms_a_token(sample, logits, params, torch.Generator().manual_seed(0), args.tokens)
-        print(f"| {name} | {here:.3f} | {host:.3f} | {host / here:.1f}x |")
+        greedy = greedy or here
+        print(f"| {name} | {here:.3f} | {here / greedy:.1f}x | {host:.3f} | {host / here:.1f}x |")
 
 
 if __name__ == "__main__":
