@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from glm5_offload.errors import Glm5Error
+from glm5_offload.rules import check_device
 from glm5_offload.runtime.engine import SamplingParams, sample
 
 
@@ -27,10 +29,11 @@ def positive(text: str) -> int:
 
 
 def device_name(text: str) -> torch.device:
+    """--device's value, as a rule file's device is checked (rules.check_device: cpu, cuda or cuda:N)."""
     try:
-        return torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a torch device (cpu, cuda, cuda:1)") from None
+        return torch.device(check_device("--device", text))
+    except Glm5Error as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device: ")) from None
 
 
 def ms_a_token(draw, logits, params, generator, tokens) -> float:
