@@ -158,8 +158,12 @@ KERNELS = [
                            "unused_ptr": "*i64", "victims_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "mapped_ptr": "*i32",
                            "K": "i32", "W": "i32", "LRU": "i32", **K("OLDEST BITS BLOCK_K BLOCK")},
      dict(OLDEST=1 << 24, BITS=8, BLOCK_K=2048, BLOCK=4096)),
-    (n._rmsnorm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "stride": "i32",
-                         "eps": "fp32", **K("BLOCK X_BF16 OUT_BF16")}, dict(BLOCK=8192, X_BF16=True, OUT_BF16=False)),
+    (n._rmsnorm_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "add_ptr": "*bf16",
+                         "add2_ptr": "*bf16", "sum_ptr": "*bf16", "N": "i32", "stride": "i32", "eps": "fp32",
+                         **K("BLOCK ADDS X_BF16 OUT_BF16")}, dict(BLOCK=8192, ADDS=0, X_BF16=True, OUT_BF16=False)),
+    (n._rmsnorm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "add_ptr": "*fp32",
+                         "add2_ptr": "*bf16", "sum_ptr": "*bf16", "N": "i32", "stride": "i32", "eps": "fp32",
+                         **K("BLOCK ADDS X_BF16 OUT_BF16")}, dict(BLOCK=8192, ADDS=2, X_BF16=True, OUT_BF16=True)),
     (p._rope_kernel, {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32",
                       "M": "i32", "stride_s": "i32", "stride_m": "i32", **K("D HALF REST BLOCK_R INTERLEAVED BF16")},
      dict(D=128, HALF=32, REST=64, BLOCK_R=64, INTERLEAVED=True, BF16=True)),
@@ -195,4 +199,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "38 kernels" in proc.stdout
+    assert "39 kernels" in proc.stdout

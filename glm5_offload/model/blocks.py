@@ -34,6 +34,22 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    def add_forward(self, x, adds: tuple):
+        """The residual stream's pending addition, then the norm: (x + summed(adds, x), RMSNorm of that); adds ()
+        is x's norm alone."""
+        if adds:
+            x = x + summed(adds, x)
+        return x, self(x)
+
+
+def summed(parts: tuple, like: torch.Tensor) -> torch.Tensor:
+    """A sublayer's output from its parts (a MoE block's: the routed experts' sum, then the shared expert's output),
+    added in order, each in like's dtype on like's device."""
+    total = parts[0].to(like.device, like.dtype)
+    for part in parts[1:]:
+        total = total + part.to(like.device, like.dtype)
+    return total
+
 
 class Linear(nn.Linear):
     """y = x W^T without bias: a slot of its own (linear.reference), so a rule can hold its weight in another form."""
@@ -127,6 +143,7 @@ class Experts(nn.ModuleList):
         pass
 
     def finish(self, pending):
+        """The sum begin started, on x's device (in x's dtype, or fp32 where an operator's experts computed it so)."""
         return pending
 
     def forward(self, x, ids, weights):
@@ -151,9 +168,10 @@ class MoE(nn.Module):
         )
 
     def steps(self, enter, leave) -> list:
-        """x <- leave(s, MoE(enter(s))) as steps on a Pass (enter: the block's input, e.g. norm(s.x); leave: the new
-        residual stream from the output, e.g. s.x + out): the routing, whose input starts on its way to the experts
-        (CPU experts: to the host); the shared expert, queued meanwhile; the experts' host work; their sum."""
+        """leave(s, MoE(enter(s))) as steps on a Pass (enter: the block's input, e.g. a norm of the residual stream;
+        leave: what the output does to the stream, given as its parts: (routed experts' sum, shared expert's output),
+        whose sum is blocks.summed): the routing, whose input starts on its way to the experts (CPU experts: to the
+        host); the shared expert, queued meanwhile; the experts' host work; their output handed on."""
 
         def route(s: Pass):
             s.moe_x = enter(s)
@@ -164,8 +182,8 @@ class MoE(nn.Module):
             s.shared = self.shared_experts(s.moe_x)
 
         def combine(s: Pass):
-            out = self.experts.finish(s.routed).to(s.x.device)
-            s.x = leave(s, out if self.shared_experts is None else out + s.shared.to(s.x.device))
+            out = self.experts.finish(s.routed)
+            leave(s, (out,) if self.shared_experts is None else (out, s.shared))
 
         host = HostStep(lambda s: self.experts.host(s.routed))
         return [route, CUT, shared, host, combine] if self.shared_experts is not None else [route, CUT, host, combine]

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..util import span
-from .blocks import MLP, MoE, RMSNorm
+from .blocks import MLP, MoE, RMSNorm, summed
 from .glm_moe_dsa import Backbone as DsaBackbone
 from .glm_moe_dsa import CausalLM as DsaCausalLM
 from .kda import KDA
@@ -84,12 +84,12 @@ class DecoderLayer(nn.Module):
             s.hc_post, s.hc_comb, h = self.ffn_hc(s.x)
             return self.post_attention_layernorm(h)
 
-        def leave(s: Pass, out):
-            return self.ffn_hc.merge(s.x, out, s.hc_post, s.hc_comb)
+        def leave(s: Pass, parts: tuple):
+            s.x = self.ffn_hc.merge(s.x, summed(parts, s.x), s.hc_post, s.hc_comb)
 
         def dense(s: Pass):
             with span("dense", s.x.device):
-                s.x = leave(s, self.mlp(enter(s)).to(s.x.device))
+                leave(s, (self.mlp(enter(s)),))
 
         if isinstance(self.mlp, MoE):
             return [attend] + self.mlp.steps(enter, leave)

@@ -27,20 +27,28 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config) if moe else MLP(config.hidden_size, config.intermediate_size)
 
     def steps(self) -> list:
-        """x += attention(norm(x)) (s.indices: its selection, or the full layer's it reused), then the MLP's part."""
+        """x += attention(norm(x)) (s.indices: its selection, or the full layer's it reused), then x += MLP(norm(x)).
+        Each sublayer's output is left pending (s.add) for the next norm to add: one kernel for both (norm.triton)."""
 
         def attend(s: Pass):
-            h, s.indices = self.self_attn(self.input_layernorm(s.x), s.cos, s.sin, s.cache, s.positions, s.end,
-                                          s.indices)
-            s.x = s.x + h.to(s.x.device)
+            s.x, h = self.input_layernorm.add_forward(s.x, s.add)
+            out, s.indices = self.self_attn(h, s.cos, s.sin, s.cache, s.positions, s.end, s.indices)
+            s.add = (out,)
+
+        def enter(s: Pass):
+            s.x, h = self.post_attention_layernorm.add_forward(s.x, s.add)
+            return h
+
+        def leave(s: Pass, parts: tuple):
+            s.add = parts
 
         def dense(s: Pass):
             with span("dense", s.x.device):
-                s.x = s.x + self.mlp(self.post_attention_layernorm(s.x)).to(s.x.device)
+                leave(s, (self.mlp(enter(s)),))
 
         if not isinstance(self.mlp, MoE):
             return [attend, dense]
-        return [attend] + self.mlp.steps(lambda s: self.post_attention_layernorm(s.x), lambda s, out: s.x + out)
+        return [attend] + self.mlp.steps(enter, leave)
 
 
 class Backbone(nn.Module):
@@ -96,14 +104,14 @@ class CausalLM(nn.Module):
             moe[0].experts.prepare(s.tokens.shape[0], s.tokens.device)
 
         def embed(s: Pass):
-            s.x = self.model.embed_tokens(s.tokens)
+            s.x, s.add = self.model.embed_tokens(s.tokens), ()
             if s.positions.device not in self._inv_freq_on:
                 self._inv_freq_on[s.positions.device] = self.inv_freq.to(s.positions.device)
             s.cos, s.sin = cos_sin(self._inv_freq_on[s.positions.device], self.rope_scaling, s.positions)
 
         def head(s: Pass):
-            x = s.x[-1:] if s.last_only else s.x
-            s.logits = self.lm_head(self.model.norm(x)).float()
+            x, add = (s.x[-1:], tuple(a[-1:] for a in s.add)) if s.last_only else (s.x, s.add)
+            s.logits = self.lm_head(self.model.norm.add_forward(x, add)[1]).float()
 
         steps = [prepare, embed] if moe else [embed]
         for layer in self.model.layers:

@@ -15,7 +15,8 @@ import torch
 
 
 class Pass:
-    """One forward pass of S tokens: its inputs, the residual stream `x`, and what steps hand on to later ones
+    """One forward pass of S tokens: its inputs, the residual stream `x` (with `add`, its pending addition: a
+    sublayer's output that the next norm adds in its own kernel), and what steps hand on to later ones
     (the rope angles, the last full layer's selection for IndexShare, a MoE block's routed work, the logits).
     Steps may set further attributes of their own."""
 
@@ -26,6 +27,7 @@ class Pass:
         self.cache = cache
         self.last_only = last_only  # logits of the last token only
         self.x = self.cos = self.sin = self.indices = self.logits = None
+        self.add = ()  # the residual stream's pending addition: the stream is x + blocks.summed(add)
 
 
 CUT = object()
