@@ -71,13 +71,14 @@ def expert_format(model) -> tuple[str, int] | None:
 
 
 def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
-    """Decode after a context of random cache rows (bench_context.fill: no prefill), twice from the same position:
-    the second run's speed and graph split."""
+    """Decode after a context of random cache rows (bench_context.fill: no prefill), twice: the second run's speed and
+    graph split. It continues the first (its prompt is the first's with its reply: one token prefilled), so the tiered
+    cache's hot rows are those a long decode keeps, not reset by a rewind to the first run's position."""
     fill(engine, context)
     prompt = engine.cache_ids + [0]  # the cached rows are the prompt's prefix: one token is prefilled
     with recorded_experts(engine.model) as calls:
-        engine.generate(prompt, new_tokens)
-    again, graph_split = generate_split(engine, prompt, new_tokens)
+        first = engine.generate(prompt, new_tokens)
+    again, graph_split = generate_split(engine, first.prompt_ids + first.output_ids, new_tokens)
     ms = 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None
     return {"context": context, "filled": True, "new_tokens": new_tokens, "prefilled_tokens": again.prefilled_tokens,
             "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split,
@@ -86,7 +87,8 @@ def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
 
 def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
                   prefill_only: bool = False, filled: bool = False) -> tuple[dict, tuple | None]:
-    max_seq_len = context + 2 * new_tokens  # the split's run extends the first one (as `glm5 bench`)
+    max_seq_len = context + 2 * new_tokens + 1  # the timed run extends the first one (as `glm5 bench`; --filled:
+    # the first's prompt is the context and one token)
     model = load_model(model_dir, rules=rules, max_seq_len=max_seq_len)
     os.sync()  # a checkpoint or expert cache just written is on the disk before anything is timed (its writeback
     # would compete with the experts for the host's cores and memory)
