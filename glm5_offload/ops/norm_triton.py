@@ -19,5 +19,5 @@ class TritonRMSNorm(RMSNorm):
         return rmsnorm_triton.add_rmsnorm(x, adds, self.weight, self.eps)
 
 
-OPERATORS = (Operator("norm.triton", RMSNorm, "RMSNorm in one Triton kernel, a row a program, the residual add before it",
-                      module_class=TritonRMSNorm),)
+OPERATORS = (Operator("norm.triton", RMSNorm, "RMSNorm in one Triton kernel, a row a program, the residual add "
+                      "before it", module_class=TritonRMSNorm),)
