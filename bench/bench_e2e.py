@@ -34,6 +34,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -72,17 +73,38 @@ def expert_format(model) -> tuple[str, int] | None:
 
 def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
     """Decode after a context of random cache rows (bench_context.fill: no prefill), twice: the second run's speed and
-    graph split. It continues the first (its prompt is the first's with its reply: one token prefilled), so the tiered
-    cache's hot rows are those a long decode keeps, not reset by a rewind to the first run's position."""
+    graph split, and its CPU experts' calls made again alone. It continues the first (its prompt is the first's with
+    its reply: one token prefilled), so the tiered cache's hot rows are those a long decode keeps, not reset by a
+    rewind to the first run's position."""
     fill(engine, context)
     prompt = engine.cache_ids + [0]  # the cached rows are the prompt's prefix: one token is prefilled
+    first = engine.generate(prompt, new_tokens)
     with recorded_experts(engine.model) as calls:
-        first = engine.generate(prompt, new_tokens)
-    again, graph_split = generate_split(engine, first.prompt_ids + first.output_ids, new_tokens)
+        again, graph_split = generate_split(engine, first.prompt_ids + first.output_ids, new_tokens)
     ms = 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None
     return {"context": context, "filled": True, "new_tokens": new_tokens, "prefilled_tokens": again.prefilled_tokens,
             "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split,
-            "experts_replayed_ms_per_token": experts_replayed(calls)}
+            "experts_replayed_ms_per_token": experts_replayed(calls), "call_by_call": call_by_call(calls)}
+
+
+def call_by_call(calls: list) -> dict | None:
+    """Each of a decode's CPU expert calls (recorded_experts: its inputs and its seconds in the step) made once more
+    alone, right after: the quartiles of in the step / alone, and the share of the step's excess over alone that the
+    slowest tenth of the calls carry (near a tenth: every call reads slower in the step; near all of it: a few calls
+    held up, the rest as fast as alone). None without calls."""
+    if not calls:
+        return None
+    alone = []
+    for layer, x, ids, weights, _ in calls:
+        t0 = time.perf_counter()
+        layer._compute(x, ids, weights)
+        alone.append(time.perf_counter() - t0)
+    ratios = sorted(call[-1] / a for call, a in zip(calls, alone))
+    excess = sorted((call[-1] - a for call, a in zip(calls, alone)), reverse=True)
+    quartiles = [ratios[min(len(ratios) - 1, int(q * len(ratios)))] for q in (0.25, 0.5, 0.75)]
+    total = sum(e for e in excess if e > 0)
+    slowest = sum(e for e in excess[: max(1, len(excess) // 10)] if e > 0)
+    return {"calls": len(calls), "ratio_quartiles": quartiles, "slowest_tenth_share": slowest / total if total else 0.0}
 
 
 def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
@@ -105,6 +127,11 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
               + ", ".join(f"{k} {v:.3f}" for k, v in split.items()) + ")"
               + ("" if alone is None else f"; the experts alone {alone:.3f} ms")
               + ("" if replayed is None else f", the decode's own calls again alone {replayed:.3f} ms"), flush=True)
+        if result["call_by_call"]:
+            c = result["call_by_call"]
+            print(f"call by call, in the step / alone ({c['calls']} calls): quartiles "
+                  + " ".join(f"{r:.2f}x" for r in c["ratio_quartiles"])
+                  + f"; the slowest tenth of the calls carry {c['slowest_tenth_share']:.0%} of the excess", flush=True)
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)

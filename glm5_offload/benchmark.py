@@ -176,18 +176,22 @@ def experts_alone(model, calls: int = 16, seed: int = 0) -> float | None:
 @contextmanager
 def recorded_experts(model):
     """Within: every one-token call of the model's NumbaExperts layers (decode's) is appended, with copies of its
-    inputs, to the list this yields as (layer, x, ids, weights); the calls themselves run as always. A call with
-    the inputs of its layer's last one is not: a new bucket's first decode step runs its host work twice (the
-    warm-up before its capture, then the replay; decode_graphs.py), as no other step does."""
+    inputs and the seconds it took, to the list this yields as (layer, x, ids, weights, seconds); the calls
+    themselves run as always. A call with the inputs of its layer's last one is not: a new bucket's first decode
+    step runs its host work twice (the warm-up before its capture, then the replay; decode_graphs.py), as no other
+    step does."""
     calls, layers, last = [], [m for m in model.modules() if isinstance(m, NumbaExperts)], {}
     for layer in layers:
         def compute(x, ids, weights, layer=layer, compute=layer._compute):
             before = last.get(id(layer))
             twin = before is not None and all(np.array_equal(a, b) for a, b in zip(before, (x, ids, weights)))
-            if x.shape[0] == 1 and not twin:
-                last[id(layer)] = x.copy(), ids.copy(), weights.copy()
-                calls.append((layer, *last[id(layer)]))
-            return compute(x, ids, weights)
+            if x.shape[0] != 1 or twin:
+                return compute(x, ids, weights)
+            last[id(layer)] = x.copy(), ids.copy(), weights.copy()
+            t0 = time.perf_counter()
+            out = compute(x, ids, weights)
+            calls.append((layer, *last[id(layer)], time.perf_counter() - t0))
+            return out
         layer._compute = compute  # (an instance attribute over the method)
     try:
         yield calls
@@ -202,7 +206,7 @@ def experts_replayed(calls: list) -> float | None:
     if not calls:
         return None
     t0 = time.perf_counter()
-    for layer, x, ids, weights in calls:
+    for layer, x, ids, weights, _ in calls:
         layer._compute(x, ids, weights)
     tokens = len(calls) / len({id(layer) for layer, *_ in calls})
     return (time.perf_counter() - t0) / tokens * 1e3

@@ -86,12 +86,32 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
     engine.stop_ids = set()
     result = bench_e2e.decode_filled(engine, 150, 2)
     assert result["prefilled_tokens"] == 1 and result["decode_ms_per_token"] > 0
-    assert result["experts_replayed_ms_per_token"] > 0  # the first run's decode calls, again alone
+    assert result["experts_replayed_ms_per_token"] > 0  # the timed run's expert calls, again alone
+    moe_layers = len(model.config.moe_layers)  # its one-token prefill and one decode step
+    assert result["call_by_call"]["calls"] == 2 * moe_layers and result["call_by_call"]["ratio_quartiles"][0] > 0
     assert engine.cache.length == 150 + 2 * 2 and len(engine.cache_ids) == 154
     tiered = [store for store in engine.cache.latent if isinstance(store, TieredLatent)]
     assert tiered and all(store.end == 154 for store in tiered)
     logits = engine.model(torch.tensor([1]), engine.cache, logits_for="last")
     assert torch.isfinite(logits).all()
+
+
+def test_call_by_call_pairs_each_call_in_the_step_with_itself_alone(monkeypatch):
+    """Ten calls of 1 s alone (a clock each call advances by its x), nine of them 1.1 s in the step and one 3 s:
+    the ratio's quartiles are 1.1x and that one call carries 2 s of the 2.9 s excess."""
+    clock = [0.0]
+    monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: clock[0])
+
+    class Layer:
+        def _compute(self, x, ids, weights):
+            clock[0] += x
+
+    layer = Layer()
+    calls = [(layer, 1.0, None, None, 1.1)] * 4 + [(layer, 1.0, None, None, 3.0)] + [(layer, 1.0, None, None, 1.1)] * 5
+    c = bench_e2e.call_by_call(calls)
+    assert c["calls"] == 10 and c["ratio_quartiles"] == pytest.approx([1.1] * 3)
+    assert c["slowest_tenth_share"] == pytest.approx(2.0 / 2.9) and clock[0] == 10.0
+    assert bench_e2e.call_by_call([]) is None
 
 
 def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, capsys):
