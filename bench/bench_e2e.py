@@ -109,8 +109,8 @@ def call_by_call(calls: list) -> dict | None:
 
 def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
                   prefill_only: bool = False, filled: bool = False) -> tuple[dict, tuple | None]:
-    max_seq_len = context + 2 * new_tokens + 1  # the timed run extends the first one (as `glm5 bench`; --filled:
-    # the first's prompt is the context and one token)
+    max_seq_len = context + 2 * new_tokens + 1  # --filled: a prompt of the context and one token, then a timed run
+    # that continues the first (glm5 bench's runs fit too)
     model = load_model(model_dir, rules=rules, max_seq_len=max_seq_len)
     os.sync()  # a checkpoint or expert cache just written is on the disk before anything is timed (its writeback
     # would compete with the experts for the host's cores and memory)
