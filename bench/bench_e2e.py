@@ -89,9 +89,11 @@ def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
 
 def call_by_call(calls: list) -> dict | None:
     """Each of a decode's CPU expert calls (recorded_experts: its inputs and its seconds in the step) made once more
-    alone, right after: the quartiles of in the step / alone, and the share of the step's excess over alone that the
+    alone, right after: the quartiles of in the step / alone, the share of the step's excess over alone that the
     slowest tenth of the calls carry (near a tenth: every call reads slower in the step; near all of it: a few calls
-    held up, the rest as fast as alone). None without calls."""
+    held up, the rest as fast as alone), and the median ratio of each MoE layer in turn (a step's first MoE layer
+    follows the longest pause of the experts' threads: the head, the sampling, the next step's first layers). None
+    without calls."""
     if not calls:
         return None
     alone = []
@@ -99,12 +101,15 @@ def call_by_call(calls: list) -> dict | None:
         t0 = time.perf_counter()
         layer._compute(x, ids, weights)
         alone.append(time.perf_counter() - t0)
-    ratios = sorted(call[-1] / a for call, a in zip(calls, alone))
+    ratios = [call[-1] / a for call, a in zip(calls, alone)]
     excess = sorted((call[-1] - a for call, a in zip(calls, alone)), reverse=True)
-    quartiles = [ratios[min(len(ratios) - 1, int(q * len(ratios)))] for q in (0.25, 0.5, 0.75)]
     total = sum(e for e in excess if e > 0)
     slowest = sum(e for e in excess[: max(1, len(excess) // 10)] if e > 0)
-    return {"calls": len(calls), "ratio_quartiles": quartiles, "slowest_tenth_share": slowest / total if total else 0.0}
+    layers = list(dict.fromkeys(id(layer) for layer, *_ in calls))  # in the order a step calls them
+    by_layer = [statistics.median(r for (layer, *_), r in zip(calls, ratios) if id(layer) == key) for key in layers]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"calls": len(calls), "ratio_quartiles": quartiles, "slowest_tenth_share": slowest / total if total else 0.0,
+            "median_ratio_by_layer": by_layer}
 
 
 def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill_chunk: int,
@@ -131,7 +136,9 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
             c = result["call_by_call"]
             print(f"call by call, in the step / alone ({c['calls']} calls): quartiles "
                   + " ".join(f"{r:.2f}x" for r in c["ratio_quartiles"])
-                  + f"; the slowest tenth of the calls carry {c['slowest_tenth_share']:.0%} of the excess", flush=True)
+                  + f"; the slowest tenth of the calls carry {c['slowest_tenth_share']:.0%} of the excess; "
+                  "medians by MoE layer in a step's order " + " ".join(f"{r:.2f}x" for r in c["median_ratio_by_layer"]),
+                  flush=True)
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)

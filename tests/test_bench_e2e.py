@@ -98,7 +98,8 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
 
 def test_call_by_call_pairs_each_call_in_the_step_with_itself_alone(monkeypatch):
     """Ten calls of 1 s alone (a clock each call advances by its x), nine of them 1.1 s in the step and one 3 s:
-    the ratio's quartiles are 1.1x and that one call carries 2 s of the 2.9 s excess."""
+    the ratio's quartiles are 1.1x and that one call carries 2 s of the 2.9 s excess; two layers taking turns, the
+    second's calls 1.5 s in the step: each layer's median ratio in the order a step calls them."""
     clock = [0.0]
     monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: clock[0])
 
@@ -111,6 +112,10 @@ def test_call_by_call_pairs_each_call_in_the_step_with_itself_alone(monkeypatch)
     c = bench_e2e.call_by_call(calls)
     assert c["calls"] == 10 and c["ratio_quartiles"] == pytest.approx([1.1] * 3)
     assert c["slowest_tenth_share"] == pytest.approx(2.0 / 2.9) and clock[0] == 10.0
+    assert c["median_ratio_by_layer"] == pytest.approx([1.1])
+    second = Layer()
+    c = bench_e2e.call_by_call([(layer, 1.0, None, None, 1.1), (second, 1.0, None, None, 1.5)] * 3)
+    assert c["median_ratio_by_layer"] == pytest.approx([1.1, 1.5])
     assert bench_e2e.call_by_call([]) is None
 
 
