@@ -34,7 +34,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -46,7 +45,7 @@ from safetensors.torch import save_file
 
 from glm5_offload.benchmark import (experts_alone, experts_huge_pages, experts_replayed, format_table,
                                     generate_split, prefill_projection, prefill_split, random_prompt,
-                                    recorded_experts, run_benchmark)
+                                    recorded_experts, replayed_seconds, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
@@ -81,26 +80,22 @@ def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
     first = engine.generate(prompt, new_tokens)
     with recorded_experts(engine.model) as calls:
         again, graph_split = generate_split(engine, first.prompt_ids + first.output_ids, new_tokens)
+    alone = replayed_seconds(calls)
     ms = 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None
     return {"context": context, "filled": True, "new_tokens": new_tokens, "prefilled_tokens": again.prefilled_tokens,
             "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split,
-            "experts_replayed_ms_per_token": experts_replayed(calls), "call_by_call": call_by_call(calls)}
+            "experts_replayed_ms_per_token": experts_replayed(calls, alone), "call_by_call": call_by_call(calls, alone)}
 
 
-def call_by_call(calls: list) -> dict | None:
-    """Each of a decode's CPU expert calls (recorded_experts: its inputs and its seconds in the step) made once more
-    alone, right after: the quartiles of in the step / alone, the share of the step's excess over alone that the
-    slowest tenth of the calls carry (near a tenth: every call reads slower in the step; near all of it: a few calls
-    held up, the rest as fast as alone), and the median ratio of each MoE layer in turn (a step's first MoE layer
-    follows the longest pause of the experts' threads: the head, the sampling, the next step's first layers). None
-    without calls."""
+def call_by_call(calls: list, alone: list[float]) -> dict | None:
+    """Each of a decode's CPU expert calls (recorded_experts: its seconds in the step) against the same call made once
+    more alone right after (alone: replayed_seconds): the quartiles of in the step / alone, the share of the step's
+    excess over alone that the slowest tenth of the calls carry (near a tenth: every call reads slower in the step;
+    near all of it: a few calls held up, the rest as fast as alone), and the median ratio of each MoE layer in turn
+    (a step's first MoE layer follows the longest pause of the experts' threads: the head, the sampling, the next
+    step's first layers). None without calls."""
     if not calls:
         return None
-    alone = []
-    for layer, x, ids, weights, _ in calls:
-        t0 = time.perf_counter()
-        layer._compute(x, ids, weights)
-        alone.append(time.perf_counter() - t0)
     ratios = [call[-1] / a for call, a in zip(calls, alone)]
     excess = sorted((call[-1] - a for call, a in zip(calls, alone)), reverse=True)
     total = sum(e for e in excess if e > 0)

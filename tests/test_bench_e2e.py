@@ -14,6 +14,7 @@ import bench_e2e  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from glm5_offload import benchmark  # noqa: E402
 from glm5_offload.loader import load_model  # noqa: E402
 from glm5_offload.rules import load_rules  # noqa: E402
 from glm5_offload.runtime.engine import Engine  # noqa: E402
@@ -101,7 +102,7 @@ def test_call_by_call_pairs_each_call_in_the_step_with_itself_alone(monkeypatch)
     the ratio's quartiles are 1.1x and that one call carries 2 s of the 2.9 s excess; two layers taking turns, the
     second's calls 1.5 s in the step: each layer's median ratio in the order a step calls them."""
     clock = [0.0]
-    monkeypatch.setattr(bench_e2e.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock[0])
 
     class Layer:
         def _compute(self, x, ids, weights):
@@ -109,14 +110,17 @@ def test_call_by_call_pairs_each_call_in_the_step_with_itself_alone(monkeypatch)
 
     layer = Layer()
     calls = [(layer, 1.0, None, None, 1.1)] * 4 + [(layer, 1.0, None, None, 3.0)] + [(layer, 1.0, None, None, 1.1)] * 5
-    c = bench_e2e.call_by_call(calls)
+    alone = benchmark.replayed_seconds(calls)
+    assert alone == pytest.approx([1.0] * 10)
+    c = bench_e2e.call_by_call(calls, alone)
     assert c["calls"] == 10 and c["ratio_quartiles"] == pytest.approx([1.1] * 3)
     assert c["slowest_tenth_share"] == pytest.approx(2.0 / 2.9) and clock[0] == 10.0
     assert c["median_ratio_by_layer"] == pytest.approx([1.1])
     second = Layer()
-    c = bench_e2e.call_by_call([(layer, 1.0, None, None, 1.1), (second, 1.0, None, None, 1.5)] * 3)
+    turns = [(layer, 1.0, None, None, 1.1), (second, 1.0, None, None, 1.5)] * 3
+    c = bench_e2e.call_by_call(turns, benchmark.replayed_seconds(turns))
     assert c["median_ratio_by_layer"] == pytest.approx([1.1, 1.5])
-    assert bench_e2e.call_by_call([]) is None
+    assert bench_e2e.call_by_call([], []) is None
 
 
 def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, capsys):
