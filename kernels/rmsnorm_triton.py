@@ -58,11 +58,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, adds: tuple) -> t
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     adds = [a.reshape(rows.shape).contiguous() for a in adds]
-    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if adds else None
+    total = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if adds else rows  # (rows: not written)
     if rows.shape[0]:
         block = triton.next_power_of_2(N)
-        add, add2, sums = (adds + [rows, rows])[:2] + [rows if total is None else total]  # (unused ones: any tensor)
-        _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out, add, add2, sums, N, rows.stride(0), eps, BLOCK=block,
+        add, add2 = (adds + [rows, rows])[:2]  # (pointers the kernel does not read: any tensor)
+        _rmsnorm_kernel[(rows.shape[0],)](rows, weight, out, add, add2, total, N, rows.stride(0), eps, BLOCK=block,
                                           ADDS=len(adds), X_BF16=x.dtype == torch.bfloat16,
                                           OUT_BF16=out.dtype == torch.bfloat16, num_warps=8 if block > 2048 else 4)
     return (total.view(x.shape) if adds else x), out.view(x.shape)
