@@ -22,6 +22,34 @@ ROWS = 4096 if INTERPRET else 64  # rows (token, head) a program: the interprete
 
 
 @triton.jit
+def pairs(src, i, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two values of each rotated pair i [.., HALF] of the rows at src (pointers [.., 1]), as fp32: (2i, 2i+1)
+    interleaved, else (i, HALF+i)."""
+    if INTERLEAVED:
+        x1 = tl.load(src + 2 * i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def rotated(x1, x2, c, sn, BF16: tl.constexpr):
+    """apply_rope's (first, second) halves of the pairs (x1, x2) by cos c and sin sn (fp32). BF16: each op's result
+    rounded as torch's bf16 ops round theirs (by bits, not a helper per op: the interpreter pays for every call of a
+    jit function)."""
+    if BF16:
+        c, sn = round_to_bf16(c), round_to_bf16(sn)
+        first = round_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * sn))
+        second = round_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * sn))
+    else:
+        first = x1 * c - x2 * sn
+        second = x2 * c + x1 * sn
+    return first, second
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, M, stride_s, stride_m, D: tl.constexpr, HALF: tl.constexpr,
                  REST: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr, BF16: tl.constexpr):
     # x [S, M, D] (values contiguous, rows at stride_s / stride_m), cos/sin [S, HALF] fp32 -> out [S, M, D]
@@ -35,20 +63,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, M, stride_s, stride_m, D: 
     i = tl.arange(0, HALF)[None, :]
     c = tl.load(cos_ptr + s * HALF + i, mask=row_ok, other=0.0)
     sn = tl.load(sin_ptr + s * HALF + i, mask=row_ok, other=0.0)
-    if INTERLEAVED:
-        x1 = tl.load(src + 2 * i, mask=row_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + 2 * i + 1, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        x1 = tl.load(src + i, mask=row_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + i, mask=row_ok, other=0.0).to(tl.float32)
-    if BF16:  # each op's result rounded as torch's bf16 ops round theirs (no helper per op: the interpreter pays
-        # for every call of a jit function)
-        c, sn = round_to_bf16(c), round_to_bf16(sn)
-        first = round_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * sn))
-        second = round_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * sn))
-    else:
-        first = x1 * c - x2 * sn
-        second = x2 * c + x1 * sn
+    x1, x2 = pairs(src, i, row_ok, HALF, INTERLEAVED)
+    first, second = rotated(x1, x2, c, sn, BF16)
     tl.store(dst + i, first.to(out_ptr.dtype.element_ty), mask=row_ok)
     tl.store(dst + HALF + i, second.to(out_ptr.dtype.element_ty), mask=row_ok)
     if REST > 0:

@@ -228,11 +228,7 @@ class Attention(nn.Module):
         # a decode step's query (q_b_proj, rope, W_UK) on a GPU's side stream, beside the cache's write, the indexer
         # and the tiered fetch (each a chain of small kernels)
         with Beside(x.device, on=S <= BESIDE_ROWS) as query:
-            q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
-            q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-            if self.rope_dim:  # GLM-5.3-Flash's has none
-                q_pe = self.rope(q_pe, cos, sin)
-            q_lat = self.absorb_query(q_nope, w)
+            q_lat, q_pe = self.query(qr, cos, sin, w)
         c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if self.rope_dim:
             k_pe = self.rope(k_pe, cos, sin)
@@ -249,6 +245,19 @@ class Attention(nn.Module):
             o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
         out = self.absorb_output(o_lse[0], w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
+
+    def query_parts(self, qr):
+        """q_b_proj(qr) for qr [S, q_lora_rank], split per head into (q_nope [S, H, nope], q_pe [S, H, rope_dim])
+        (views)."""
+        q = self.q_b_proj(qr).view(qr.shape[0], self.n_heads, self.nope + self.rope_dim)
+        return q.split([self.nope, self.rope_dim], dim=-1)
+
+    def query(self, qr, cos, sin, w):
+        """The absorbed query: (q_lat [S, H, kv_lora_rank] fp32, q_nope through W_UK; q_pe roped)."""
+        q_nope, q_pe = self.query_parts(qr)
+        if self.rope_dim:  # GLM-5.3-Flash's has none
+            q_pe = self.rope(q_pe, cos, sin)
+        return self.absorb_query(q_nope, w), q_pe
 
     def kv_b_weight(self, x):
         """kv_b_proj's W in the form absorb_query and absorb_output take, once a forward: here dense, as

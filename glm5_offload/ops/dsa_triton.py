@@ -84,6 +84,13 @@ class TritonAttention(Attention):
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span, out=o,
                                      lse=lse, accumulate=into is not None)
 
+    def query(self, qr, cos, sin, w):
+        """Decode rows (w a stored kv_b_proj, kv_b_weight) with a rope part: its rope in absorb_query's launch."""
+        if not isinstance(w, tuple) or not self.rope_dim:
+            return super().query(qr, cos, sin, w)
+        q_nope, q_pe = self.query_parts(qr)
+        return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim, rope=(q_pe, cos, sin, self.interleaved))
+
     def kv_b_weight(self, x):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it
         dequantises to) as stored, for mla_absorb's kernels. Else (prefill chunks, int4) the reference's dense W."""
