@@ -229,10 +229,7 @@ class Attention(nn.Module):
         # and the tiered fetch (each a chain of small kernels)
         with Beside(x.device, on=S <= BESIDE_ROWS) as query:
             q_lat, q_pe = self.query(qr, cos, sin, w)
-        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if self.rope_dim:
-            k_pe = self.rope(k_pe, cos, sin)
-        cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
+        self.write_latent(kv_a, cos, sin, cache, positions)
 
         if self.indexer is not None:
             with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
@@ -245,6 +242,14 @@ class Attention(nn.Module):
             o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
         out = self.absorb_output(o_lse[0], w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
+
+    def write_latent(self, kv_a, cos, sin, cache, positions):
+        """The cache rows [kv_a_layernorm(c) | k_pe roped] of kv_a [S, kv_lora_rank + rope_dim] (kv_a_proj_with_mqa's
+        output) written at positions [S]."""
+        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.rope_dim:
+            k_pe = self.rope(k_pe, cos, sin)
+        cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
 
     def query_parts(self, qr):
         """q_b_proj(qr) for qr [S, q_lora_rank], split per head into (q_nope [S, H, nope], q_pe [S, H, rope_dim])

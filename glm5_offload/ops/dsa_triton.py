@@ -84,6 +84,16 @@ class TritonAttention(Attention):
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span, out=o,
                                      lse=lse, accumulate=into is not None)
 
+    def write_latent(self, kv_a, cos, sin, cache, positions):
+        """FP8 rows on a GPU (or in Triton's interpreter: the same bytes as the reference's): k_pe's rope, the cat and
+        the quantisation in one launch (dsa_triton.quantize_latent)."""
+        if not ((kv_a.is_cuda or INTERPRET) and self.latent_layout.fp8 and self.rope_dim):
+            return super().write_latent(kv_a, cos, sin, cache, positions)
+        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        rows = dsa_triton.quantize_latent(self.kv_a_layernorm(c), self.kv_lora_rank, rope=(k_pe, cos, sin,
+                                                                                            self.interleaved))
+        cache.write_latent(self.layer, positions, rows)
+
     def query(self, qr, cos, sin, w):
         """Decode rows (w a stored kv_b_proj, kv_b_weight) with a rope part: its rope in absorb_query's launch."""
         if not isinstance(w, tuple) or not self.rope_dim:
