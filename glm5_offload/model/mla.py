@@ -87,8 +87,9 @@ class Indexer(nn.Module):
         self.write_keys(self.k_norm(self.wk(x) if k is None else k), cos, sin, keys, positions)
         weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
         chunk = self.query_chunk(end)
-        return torch.cat([self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
-                                   call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)])
+        parts = [self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
+                          call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # (a cat of one part is still a copy)
 
     def top(self, q, keys, weights, positions, end: int):
         """The selected positions [S, min(topk, end)] of the queries at positions [S]: select of their scores."""
