@@ -62,6 +62,30 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
 
 
 @triton.jit
+def _head_weights_kernel(x_ptr, w_ptr, out_ptr, K, scale, BLOCK_K: tl.constexpr):
+    # x [S, K] (bf16 or fp32), w [N, K] fp32 -> out [S, N] fp32 = (x . w[n]) * scale; program (s, n)
+    s, n = tl.program_id(0), tl.program_id(1)
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + s.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptr + n.to(tl.int64) * K + k, mask=k < K, other=0.0)
+    tl.store(out_ptr + s * tl.num_programs(1) + n, tl.sum(acc) * scale)
+
+
+def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """The indexer's head weights of decode rows x [S, K]: (x.float() @ weight.T) * scale, weight [N, K] fp32 ->
+    [S, N] fp32, in one launch (reference: mla.head_weights, a cast, cuBLAS's GEMV in two kernels and the scale;
+    the same products, summed in another order)."""
+    S, K = x.shape
+    out = torch.empty(S, weight.shape[0], dtype=torch.float32, device=x.device)
+    if S:
+        _head_weights_kernel[(S, weight.shape[0])](x.contiguous(), weight.contiguous(), out, K, scale,
+                                                   BLOCK_K=min(2048, triton.next_power_of_2(K)))
+    return out
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale, H: tl.constexpr, D: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr,
                     FP8: tl.constexpr):

@@ -168,6 +168,22 @@ def test_latent_rows_quantise_to_the_references_bytes(dtype, L, R, T):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("S, K, N", [(1, 6144, 32), (3, 300, 5)])  # GLM-5's decode row; blocks past K, odd heads
+def test_head_weights_in_one_launch(S, K, N, dtype):
+    """The indexer's head weights (weights_proj kept fp32, times n_heads^-0.5) against the reference's cast, GEMV
+    and scale: the same fp32 products, summed in another order."""
+    from glm5_offload.model.mla import head_weights
+
+    g = torch.Generator().manual_seed(K + S)
+    proj = torch.nn.Linear(K, N, bias=False)
+    proj.weight.data = torch.randn(N, K, generator=g) * 0.02
+    x = torch.randn(S, K, generator=g).to(dtype)
+    want = head_weights(proj, x, N)
+    got = dsa_triton.head_weights(x.to(DEVICE), proj.weight.data.to(DEVICE), N**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (S, N) and rel_err(got.cpu(), want) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("T", [1, 6])
 def test_latent_rows_with_their_rope_in_the_same_launch(T, interleaved, dtype):

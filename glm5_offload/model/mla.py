@@ -66,6 +66,11 @@ class Indexer(nn.Module):
         else:
             keys.index_copy_(0, positions, k.to(keys.dtype))
 
+    def head_weights(self, x):
+        """Each head's weight in a query's score [S, n_heads] fp32: weights_proj (kept fp32) of x, times
+        n_heads^-0.5."""
+        return head_weights(self.weights_proj, x, self.n_heads)
+
     def query_chunk(self, n_keys: int) -> int:
         """Queries scored per call: the reference holds [queries, heads, keys] logits at once."""
         return max(1, SCORE_BUDGET // (self.n_heads * n_keys))
@@ -85,7 +90,7 @@ class Indexer(nn.Module):
         S = x.shape[0]
         q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
         self.write_keys(self.k_norm(self.wk(x) if k is None else k), cos, sin, keys, positions)
-        weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
+        weights = self.head_weights(x)
         chunk = self.query_chunk(end)
         parts = [self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
                           call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)]
@@ -99,6 +104,11 @@ class Indexer(nn.Module):
         """The top index_topk positions of each row of scores [S, T] (topk_indices; indexer.dsa_triton's kernel
         overrides it)."""
         return topk_indices(scores, self.topk)
+
+
+def head_weights(weights_proj, x, n_heads: int):
+    """The indexer's head weights (Indexer.head_weights; GLM-5.3-Flash's pooled indexer has the same)."""
+    return weights_proj(x.float()).float() * n_heads**-0.5
 
 
 def call_end(end: int, S: int, stop: int, least: int = 0) -> int:

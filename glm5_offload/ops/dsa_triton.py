@@ -25,6 +25,16 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 # 16 rows 451 us against 281)
 
 
+def fused_head_weights(indexer, x) -> torch.Tensor | None:
+    """The indexer's head weights of decode rows on a GPU in one launch (dsa_triton.head_weights), where its
+    weights_proj is the plain fp32 Linear the model keeps; None elsewhere (the reference's then)."""
+    proj = indexer.weights_proj
+    if (x.is_cuda and x.shape[0] <= linear_triton.DECODE_ROWS and type(proj) is Linear
+            and proj.weight.dtype == torch.float32 and proj.weight.device == x.device):
+        return dsa_triton.head_weights(x, proj.weight, indexer.n_heads**-0.5)
+    return None
+
+
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
     sampled_topk = True  # the rule's kwarg: a prefill's wide rows take topk_triton.topk_sampled
@@ -34,6 +44,10 @@ class TritonIndexer(Indexer):
             return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end],
                                              q_fp8=None if self.fp8_queries else False)
         return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
+
+    def head_weights(self, x):
+        fused = fused_head_weights(self, x)
+        return super().head_weights(x) if fused is None else fused
 
     def _rope(self, t, cos, sin):
         if not t.is_cuda:
@@ -64,6 +78,10 @@ class TritonIndexer(Indexer):
 
 
 class TritonPooledIndexer(PooledIndexer):
+    def head_weights(self, x):
+        fused = fused_head_weights(self, x)
+        return super().head_weights(x) if fused is None else fused
+
     def scores(self, q, cache, weights, positions, end):
         """The indexer kernel over the group keys, its causal mask at each query's last complete group."""
         groups = cache.groups[: end // self.kpool]
