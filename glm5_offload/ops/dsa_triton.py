@@ -5,9 +5,11 @@ Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py
 indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
 rows over 64K keys by a sample's threshold (topk_triton.topk_sampled; torch.topk with sampled_topk false), shorter
 ones and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
-by one kernel straight into the cache rows; the other ropes (MLA's query and key parts, the indexer's queries) take
-one kernel each on a GPU (kernels/rope_triton.py; on the CPU torch's: in Triton's interpreter each launch costs some
-10 ms, which the CPU tests' forwards would pay thrice a layer).
+by one kernel straight into the cache rows, FP8 latent rows likewise (k_pe's rope, the cat with c and the
+quantisation: dsa_triton.quantize_latent); a decode step's query rope runs in absorbed MLA's W_UK launch
+(mla_absorb.absorb_query); the indexer's queries, and other steps' MLA ropes, take kernels/rope_triton.py's kernel on a
+GPU (on the CPU torch's: in Triton's interpreter each launch costs some 10 ms). A decode step's indexer head weights
+(weights_proj's fp32 GEMV and the scale) are one launch (dsa_triton.head_weights).
 """
 
 import torch
