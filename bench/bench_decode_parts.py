@@ -7,7 +7,10 @@ the tiered latent cache's write and fetch (kernels/hot_rows.py against TieredLat
 Per call in a stream, as bench_linear.py's decode figures: one CUDA graph runs the call on many copies of the weights
 so none is in L2 when read again. "of HBM": the weights' bytes read per call over the copy bandwidth.
 
-    PYTHONPATH=.:bench python3 bench/bench_decode_parts.py [--json FILE]
+    PYTHONPATH=.:bench python3 bench/bench_decode_parts.py [--json FILE] [--sweep]
+
+--sweep: instead, absorbed MLA's two kernels for one query row over their block shapes and warps, each beside the
+defaults and checked against the reference.
 """
 
 import argparse
@@ -71,6 +74,40 @@ def absorbs(rows: int) -> dict:
             **{k: ceilings.stream_ms(v) for k, v in calls.items()}}
 
 
+def absorb_sweep(hbm: float):
+    """absorb_query over (block_c, block_d, num_warps), absorb_output over (block_v, block_l, num_warps), one query
+    row: us per call, % of HBM (the product's share of kv_b_proj's bytes), rel err against the reference."""
+    made = [fp8_blocks.quantize(torch.randn(HEADS * (NOPE + V), L, device="cuda") * 0.05) for _ in range(COPIES)]
+    q = torch.randn(1, HEADS, NOPE, device="cuda", dtype=torch.bfloat16)
+    o = torch.randn(1, HEADS, L, device="cuda")
+    w = fp8_dequantize(*made[0]).view(HEADS, NOPE + V, L).float()
+    want = {"query": torch.einsum("shd,hdl->shl", q.float(), w[:, :NOPE]),
+            "output": torch.einsum("shl,hvl->shv", o, w[:, NOPE:])}
+    share = {"query": NOPE / (NOPE + V), "output": V / (NOPE + V)}
+    shapes = {"query": [{}] + [dict(block_c=c, block_d=d, num_warps=nw) for c in (64, 128, 256) for d in (32, 64, 256)
+                               for nw in (4, 8)],
+              "output": [{}] + [dict(block_v=v, block_l=bl, num_warps=nw) for v in (16, 32, 64)
+                                for bl in (128, 256, 512) for nw in (4, 8)]}
+    def call(kind, m, kw):
+        if kind == "query":
+            return mla_absorb.absorb_query(q, *m, torch.bfloat16, NOPE + V, **kw)
+        return mla_absorb.absorb_output(o, *m, torch.bfloat16, NOPE, NOPE + V, **kw)
+    for kind, variants in shapes.items():
+        rows = []
+        for kw in variants:
+            try:
+                err = ((call(kind, made[0], kw) - want[kind]).norm() / want[kind].norm()).item()
+                ms = ceilings.stream_ms([lambda m=m: call(kind, m, kw) for m in made])
+            except Exception as e:  # a shape past the registers or shared memory: named, the sweep goes on
+                print(f"{kind} {kw}: {type(e).__name__}", flush=True)
+                continue
+            rows.append((ms, kw, err))
+        for ms, kw, err in sorted(rows, key=lambda r: r[0]):
+            gb = fp8_blocks.nbytes((HEADS * (NOPE + V), L)) * share[kind] / ms / 1e6
+            print(f"absorb_{kind} {kw or 'defaults'}: {ms * 1e3:.1f} us, {gb / hbm:.0%} of HBM, rel err {err:.1e}",
+                  flush=True)
+
+
 TOPK, ROW_BYTES, HOT_BYTES, WINDOW = 2048, 656, 8 << 20, 512  # GLM-5 under rules/glm5.yaml
 TIERED_STEPS = 8192  # positions tiered_step's two paths advance through (stream_ms runs its 64 calls 32 times a path)
 
@@ -128,8 +165,12 @@ def tiered_step(context: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--sweep", action="store_true", help="absorbed MLA's kernels over their block shapes")
     args = parser.parse_args(argv)
     hbm = ceilings.hbm_copy_gb_s()
+    if args.sweep:
+        print(f"HBM copy {hbm:.0f} GB/s")
+        return absorb_sweep(hbm)
     results = {"hbm_copy_gb_s": hbm, "router": {}, "absorb": {}}
     print(f"HBM copy {hbm:.0f} GB/s")
     for rows in (1, 4):

@@ -16,6 +16,7 @@ from ..formats import FP8_MAX, fp8_blocks
 from ..formats.kv_rows import latent_group
 from . import INTERPRET
 from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot, round_to_bf16
+from .rope_triton import pairs, rotated
 
 
 @triton.jit
@@ -58,6 +59,30 @@ def rope_quantize_keys(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
                              scales, rows,
                              D=D, RD=rope_dim, HALF=rope_dim // 2, REST=D - rope_dim, INTERLEAVED=interleaved,
                              FP8_MAX=FP8_MAX)
+
+
+@triton.jit
+def _head_weights_kernel(x_ptr, w_ptr, out_ptr, K, scale, BLOCK_K: tl.constexpr):
+    # x [S, K] (bf16 or fp32), w [N, K] fp32 -> out [S, N] fp32 = (x . w[n]) * scale; program (s, n)
+    s, n = tl.program_id(0), tl.program_id(1)
+    acc = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + s.to(tl.int64) * K + k, mask=k < K, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptr + n.to(tl.int64) * K + k, mask=k < K, other=0.0)
+    tl.store(out_ptr + s * tl.num_programs(1) + n, tl.sum(acc) * scale)
+
+
+def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """The indexer's head weights of decode rows x [S, K]: (x.float() @ weight.T) * scale, weight [N, K] fp32 ->
+    [S, N] fp32, in one launch (reference: mla.head_weights, a cast, cuBLAS's GEMV in two kernels and the scale;
+    the same products, summed in another order)."""
+    S, K = x.shape
+    out = torch.empty(S, weight.shape[0], dtype=torch.float32, device=x.device)
+    if S:
+        _head_weights_kernel[(S, weight.shape[0])](x.contiguous(), weight.contiguous(), out, K, scale,
+                                                   BLOCK_K=min(2048, triton.next_power_of_2(K)))
+    return out
 
 
 @triton.jit
@@ -308,10 +333,14 @@ def _fp8_latent_to_bf16_kernel(src_ptr, dst_ptr, T, L: tl.constexpr, R: tl.const
 
 
 @triton.jit
-def _quantize_latent_kernel(rows_ptr, out_ptr, T, stride, L: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
-                            G: tl.constexpr, BLOCK_T: tl.constexpr, PE_ROUND: tl.constexpr, FP8_MAX: tl.constexpr):
-    # latent rows [T, L+R] (rows `stride` apart; bf16 or fp32) -> their FP8 form [T, L + 4L/G + 2R] bytes:
-    # c as e4m3 with one fp32 scale per G values (amax / FP8_MAX), k_pe as bf16 (PE_ROUND: from fp32, by bits)
+def _quantize_latent_kernel(rows_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, T, stride, pe_stride, L: tl.constexpr,
+                            R: tl.constexpr, RB: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr,
+                            PE_ROUND: tl.constexpr, FP8_MAX: tl.constexpr, HALF: tl.constexpr,
+                            INTERLEAVED: tl.constexpr, ROPE_BF16: tl.constexpr):
+    # latent rows [T, L(+R)] (rows `stride` apart; bf16 or fp32) -> their FP8 form [T, L + 4L/G + 2R] bytes:
+    # c as e4m3 with one fp32 scale per G values (amax / FP8_MAX), k_pe as bf16 (PE_ROUND: from fp32, by bits).
+    # HALF > 0: k_pe is read from pe [T, R = 2 HALF] (rows pe_stride apart) and roped first, as rope_triton ropes it
+    # (cos/sin [T, HALF] fp32; ROPE_BF16: each op rounded as torch's bf16 ops round)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
     src = rows_ptr + t.to(tl.int64)[:, None] * stride
@@ -324,28 +353,52 @@ def _quantize_latent_kernel(rows_ptr, out_ptr, T, stride, L: tl.constexpr, R: tl
         scale = tl.where(tl.max((c != c).to(tl.int32), axis=1) > 0, float("nan"), scale)  # amax's NaN, as torch's
         tl.store(dst + g * G + j, f32_to_e4m3(tl.div_rn(c, scale[:, None])), mask=ok[:, None])
         tl.store((row + L + 4 * g).to(tl.pointer_type(tl.float32)), scale, mask=ok)
-    lr = tl.arange(0, RB)[None, :]
-    r_ok = ok[:, None] & (lr < R)
-    pe = tl.load(src + L + lr, mask=r_ok, other=0.0).to(tl.float32)
-    if PE_ROUND:
-        pe = round_to_bf16(pe)
-    tl.store((dst + L + 4 * (L // G) + 2 * lr).to(tl.pointer_type(tl.bfloat16)), pe.to(tl.bfloat16), mask=r_ok)
+    pe_dst = (dst + L + 4 * (L // G)).to(tl.pointer_type(tl.bfloat16))
+    if HALF > 0:
+        i = tl.arange(0, HALF)[None, :]
+        c = tl.load(cos_ptr + t[:, None] * HALF + i, mask=ok[:, None], other=0.0)
+        sn = tl.load(sin_ptr + t[:, None] * HALF + i, mask=ok[:, None], other=0.0)
+        x1, x2 = pairs(pe_ptr + t.to(tl.int64)[:, None] * pe_stride, i, ok[:, None], HALF, INTERLEAVED)
+        first, second = rotated(x1, x2, c, sn, ROPE_BF16)
+        if PE_ROUND:
+            first, second = round_to_bf16(first), round_to_bf16(second)
+        tl.store(pe_dst + i, first.to(tl.bfloat16), mask=ok[:, None])
+        tl.store(pe_dst + HALF + i, second.to(tl.bfloat16), mask=ok[:, None])
+    else:
+        lr = tl.arange(0, RB)[None, :]
+        r_ok = ok[:, None] & (lr < R)
+        pe = tl.load(src + L + lr, mask=r_ok, other=0.0).to(tl.float32)
+        if PE_ROUND:
+            pe = round_to_bf16(pe)
+        tl.store(pe_dst + lr, pe.to(tl.bfloat16), mask=r_ok)
 
 
-def quantize_latent(rows: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+def quantize_latent(rows: torch.Tensor, kv_lora_rank: int, rope: tuple | None = None) -> torch.Tensor:
     """Latent rows [T, L+R] (bf16 or fp32) -> their FP8 form [T, L + 4L/G + 2R] uint8, in one kernel (reference:
     kv_rows.quantize_latent, some ten torch kernels; bit-exact with it on the CPU, where torch divides by IEEE
-    division: on the GPU its scales came out one ulp off this kernel's at times)."""
+    division: on the GPU its scales came out one ulp off this kernel's at times).
+    rope: (k_pe [T, R] (its last dim contiguous; rows is then c [T, L] alone), cos, sin [T, R/2] fp32, interleaved):
+    k_pe roped in the same launch, as rope_triton.rope ropes it (no rope and no cat of their own)."""
     T, L = rows.shape[0], kv_lora_rank
-    R, G = rows.shape[1] - L, latent_group(L)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if rope is None:
+        pe, cos, sin, interleaved, R = rows, rows, rows, False, rows.shape[1] - L
+    else:
+        pe, cos, sin, interleaved = rope
+        pe = pe if pe.stride(-1) == 1 else pe.contiguous()
+        cos, sin, R = cos.float().contiguous(), sin.float().contiguous(), pe.shape[1]
+        if R % 2 or (R // 2) & (R // 2 - 1) or rows.shape[1] != L:
+            raise ValueError(f"quantize_latent: c of {rows.shape[1]} values (want {L}) or a rope part of {R} "
+                             "(want 2 x a power of two)")
+    G = latent_group(L)
     out = torch.empty(T, L + 4 * (L // G) + 2 * R, dtype=torch.uint8, device=rows.device)
     if T:
         block_t = 256 if INTERPRET else 4
-        _quantize_latent_kernel[(triton.cdiv(T, block_t),)](rows, out, T, rows.stride(0), L=L, R=R, RB=rope_block(R),
-                                                            G=G, BLOCK_T=block_t, PE_ROUND=rows.dtype != torch.bfloat16,
-                                                            FP8_MAX=FP8_MAX)
+        _quantize_latent_kernel[(triton.cdiv(T, block_t),)](
+            rows, pe, cos, sin, out, T, rows.stride(0), pe.stride(0), L=L, R=R, RB=rope_block(R), G=G,
+            BLOCK_T=block_t, PE_ROUND=pe.dtype != torch.bfloat16, FP8_MAX=FP8_MAX, HALF=0 if rope is None else R // 2,
+            INTERLEAVED=interleaved, ROPE_BF16=pe.dtype == torch.bfloat16)
     return out
 
 

@@ -20,57 +20,71 @@ import triton
 import triton.language as tl
 
 from .fp8_bits import e4m3_to_f16, round_to_bf16
+from .rope_triton import pairs, rotated
 
 BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (32 x 128 products at most)
 
 
 @triton.jit
-def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col_block, L, FP8: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """W[rows, 128 columns from col_block * 128] as fp32 (rows [R] of W [*, L]; one scale block's columns)."""
-    cols = col_block * 128 + tl.arange(0, 128)
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * L + cols[None, :], mask=row_ok[:, None] & (cols < L)[None, :],
-                other=0)
+def _weight_tile(w_ptr, ws_ptr, rows, row_ok, cols, L, FP8: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """W[rows, cols] as fp32 (rows [R], cols [C] of W [*, L]; FP8: each value times its 128 x 128 block's scale)."""
+    ok = row_ok[:, None] & (cols < L)[None, :]
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * L + cols[None, :], mask=ok, other=0)
     if FP8:
-        scale = tl.load(ws_ptr + (rows // 128) * tl.cdiv(L, 128) + col_block, mask=row_ok, other=0.0)
-        w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)[:, None]
+        scale = tl.load(ws_ptr + (rows // 128)[:, None] * tl.cdiv(L, 128) + (cols // 128)[None, :], mask=ok, other=0.0)
+        w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)
         if ROUND_BF16:  # as fp8_dequantize writes it in a bf16 model
             w = round_to_bf16(w)
     return w.to(tl.float32)
 
 
 @triton.jit
-def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, NOPE: tl.constexpr, HEAD_ROWS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         DOT: tl.constexpr):
-    # q [S, H, NOPE] -> out [S, H, L] fp32; program (h, 128 columns of L)
+def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr, pe_out_ptr, S, H, L, stride_s,
+                         stride_h, NOPE: tl.constexpr, HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         DOT: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, PE_BF16: tl.constexpr):
+    # q [S, H, NOPE] (rows at stride_s / stride_h) -> out [S, H, L] fp32; program (h, BLOCK_C columns of L).
+    # HALF > 0: the first column block's programs also rope q_pe [S, H, 2 HALF] (q's strides; cos/sin [S, HALF]
+    # fp32) into pe_out [S, H, 2 HALF] (rope_triton's rope: the same values)
     h, lb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    cols = lb * 128 + tl.arange(0, 128)
-    acc = tl.zeros((BLOCK_S, 128), tl.float32)
+    cols = lb * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
     for d0 in range(0, NOPE, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, lb, L, FP8, ROUND_BF16)
-        q = tl.load(q_ptr + (s[:, None] * H + h) * NOPE + d[None, :], mask=(s < S)[:, None] & (d < NOPE)[None, :],
-                    other=0).to(tl.float32)
+        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, cols, L, FP8, ROUND_BF16)
+        q = tl.load(q_ptr + s[:, None] * stride_s + h * stride_h + d[None, :],
+                    mask=(s < S)[:, None] & (d < NOPE)[None, :], other=0).to(tl.float32)
         if DOT:
             acc += tl.dot(q, w, input_precision="ieee")
         else:
             acc += tl.sum(q[:, :, None] * w[None, :, :], axis=1)
     tl.store(out_ptr + (s[:, None] * H + h) * L + cols[None, :], acc, mask=(s < S)[:, None] & (cols < L)[None, :])
+    if HALF > 0:
+        if lb == 0:
+            i = tl.arange(0, HALF)[None, :]
+            row_ok = (s < S)[:, None]
+            c = tl.load(cos_ptr + s[:, None] * HALF + i, mask=row_ok, other=0.0)
+            sn = tl.load(sin_ptr + s[:, None] * HALF + i, mask=row_ok, other=0.0)
+            x1, x2 = pairs(pe_ptr + s[:, None] * stride_s + h * stride_h, i, row_ok, HALF, INTERLEAVED)
+            first, second = rotated(x1, x2, c, sn, PE_BF16)
+            dst = pe_out_ptr + (s[:, None] * H + h) * (2 * HALF)
+            tl.store(dst + i, first.to(pe_out_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(dst + HALF + i, second.to(pe_out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, V: tl.constexpr, NOPE: tl.constexpr,
-                          HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, FP8: tl.constexpr,
-                          ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
-    # o [S, H, L] fp32 -> out [S, H, V] fp32; program (h, BLOCK_V rows of W_UV[h])
+                          HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
+                          FP8: tl.constexpr, ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
+    # o [S, H, L] fp32 -> out [S, H, V] fp32; program (h, BLOCK_V rows of W_UV[h]), BLOCK_L columns at a time
     h, vb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     acc = tl.zeros((BLOCK_S, BLOCK_V), tl.float32)
-    for l0 in range(0, L, 128):
-        cols = l0 + tl.arange(0, 128)
-        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, l0 // 128, L, FP8, ROUND_BF16)
+    for l0 in range(0, L, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, cols, L, FP8, ROUND_BF16)
         o = tl.load(o_ptr + (s[:, None] * H + h) * L + cols[None, :], mask=(s < S)[:, None] & (cols < L)[None, :],
                     other=0.0)
         if DOT:
@@ -90,27 +104,52 @@ def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch
 
 
 def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                 head_rows: int) -> torch.Tensor:
-    """q_nope [S, H, nope] through W_UK -> [S, H, L] fp32. weight: kv_b_proj's [H * head_rows, L], float8_e4m3fn
-    with scales [cdiv(rows, 128), cdiv(L, 128)] fp32 (dequantised as to `dtype`), or dense with scales None."""
+                 head_rows: int, rope: tuple | None = None, block_c: int = 128, block_d: int | None = None,
+                 num_warps: int = 4):
+    """q_nope [S, H, nope] (a view; its last dim contiguous) through W_UK -> [S, H, L] fp32. weight: kv_b_proj's
+    [H * head_rows, L], float8_e4m3fn with scales [cdiv(rows, 128), cdiv(L, 128)] fp32 (dequantised as to
+    `dtype`), or dense with scales None.
+    rope: (q_pe [S, H, R], the query's rope part with q_nope's strides (q_b_proj's output split), cos, sin
+    [S, R/2] fp32, interleaved): then returns (q_lat, q_pe rotated as rope_triton.rope rotates it, contiguous), one
+    launch for both.
+    block_c, block_d, num_warps: a program's columns of L, the rows of W_UK it reads at a time (default: as many
+    as a register tile of 32 products per query row allows), its warps (bench_decode_parts.py --sweep)."""
     S, H, nope = q_nope.shape
     L = weight.shape[1]
+    if q_nope.stride(-1) != 1:
+        q_nope = q_nope.contiguous()
     out = torch.empty(S, H, L, dtype=torch.float32, device=q_nope.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_d = min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(nope)))
-    _absorb_query_kernel[(H, triton.cdiv(L, 128))](q_nope.contiguous(), w, ws, out, S, H, L, NOPE=nope,
-                                                    HEAD_ROWS=head_rows, BLOCK_D=block_d, num_warps=4, **meta)
-    return out
+    block_d = block_d or min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(nope)))
+    if rope is None:
+        pe = cos = sin = pe_out = out  # (not read: HALF 0)
+        half, interleaved = 0, False
+    else:
+        pe, cos, sin, interleaved = rope
+        half = pe.shape[-1] // 2
+        if pe.stride() != q_nope.stride() or half & (half - 1) or pe.shape[-1] % 2:
+            raise ValueError("mla_absorb: q_pe must share q_nope's strides and have 2 x a power of two values")
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        pe_out = torch.empty(pe.shape, dtype=pe.dtype, device=pe.device)
+    _absorb_query_kernel[(H, triton.cdiv(L, block_c))](
+        q_nope, w, ws, out, pe, cos, sin, pe_out, S, H, L, q_nope.stride(0), q_nope.stride(1), NOPE=nope,
+        HEAD_ROWS=head_rows, BLOCK_D=block_d, BLOCK_C=block_c, HALF=half, INTERLEAVED=interleaved,
+        PE_BF16=pe_out.dtype == torch.bfloat16, num_warps=num_warps, **meta)
+    return out if rope is None else (out, pe_out)
 
 
 def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                  nope: int, head_rows: int) -> torch.Tensor:
-    """o [S, H, L] fp32 through W_UV^T -> [S, H, v] fp32, v = head_rows - nope (weight and scales as absorb_query's)."""
+                  nope: int, head_rows: int, block_v: int | None = None, block_l: int = 128,
+                  num_warps: int = 4) -> torch.Tensor:
+    """o [S, H, L] fp32 through W_UV^T -> [S, H, v] fp32, v = head_rows - nope (weight and scales as absorb_query's).
+    block_v, block_l, num_warps: a program's rows of W_UV (default as absorb_query's block_d), the columns it reads
+    at a time, its warps."""
     S, H, L = o.shape
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_v = min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(V)))
+    block_v = block_v or min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(V)))
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
-                                                         HEAD_ROWS=head_rows, BLOCK_V=block_v, num_warps=4, **meta)
+                                                         HEAD_ROWS=head_rows, BLOCK_V=block_v, BLOCK_L=block_l,
+                                                         num_warps=num_warps, **meta)
     return out

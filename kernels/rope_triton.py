@@ -2,8 +2,9 @@
 
 The reference is model/rope.py's apply_rope, nine kernels in torch (cos and sin cast, four products, a difference,
 a sum, the cat), and for the indexer's queries a split and a second cat around it. A full layer ropes four tensors
-per step (MLA's query and key parts, the indexer's queries, and its keys, whose FP8 form dsa_triton's kernel writes):
-a decode step then launches three kernels there instead of some thirty.
+per step (MLA's query and key parts, the indexer's queries, and its keys): this kernel ropes the indexer's queries;
+the others are roped inside the kernels that read them next (`pairs` and `rotated` here: mla_absorb's W_UK product,
+dsa_triton's FP8 key and latent rows), so a decode step launches one rope kernel a full layer instead of some forty.
 
 Bit-exact with the reference in bf16 (each product, difference and sum rounded to bf16 as torch's bf16 ops round
 their fp32 result, by bits: Triton's interpreter truncates bf16 casts); fp32 to rounding, where the GPU may contract
@@ -22,6 +23,34 @@ ROWS = 4096 if INTERPRET else 64  # rows (token, head) a program: the interprete
 
 
 @triton.jit
+def pairs(src, i, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two values of each rotated pair i [.., HALF] of the rows at src (pointers [.., 1]), as fp32: (2i, 2i+1)
+    interleaved, else (i, HALF+i)."""
+    if INTERLEAVED:
+        x1 = tl.load(src + 2 * i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + 2 * i + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def rotated(x1, x2, c, sn, BF16: tl.constexpr):
+    """apply_rope's (first, second) halves of the pairs (x1, x2) by cos c and sin sn (fp32). BF16: each op's result
+    rounded as torch's bf16 ops round theirs (by bits, not a helper per op: the interpreter pays for every call of a
+    jit function)."""
+    if BF16:
+        c, sn = round_to_bf16(c), round_to_bf16(sn)
+        first = round_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * sn))
+        second = round_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * sn))
+    else:
+        first = x1 * c - x2 * sn
+        second = x2 * c + x1 * sn
+    return first, second
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, M, stride_s, stride_m, D: tl.constexpr, HALF: tl.constexpr,
                  REST: tl.constexpr, BLOCK_R: tl.constexpr, INTERLEAVED: tl.constexpr, BF16: tl.constexpr):
     # x [S, M, D] (values contiguous, rows at stride_s / stride_m), cos/sin [S, HALF] fp32 -> out [S, M, D]
@@ -35,20 +64,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, M, stride_s, stride_m, D: 
     i = tl.arange(0, HALF)[None, :]
     c = tl.load(cos_ptr + s * HALF + i, mask=row_ok, other=0.0)
     sn = tl.load(sin_ptr + s * HALF + i, mask=row_ok, other=0.0)
-    if INTERLEAVED:
-        x1 = tl.load(src + 2 * i, mask=row_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + 2 * i + 1, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        x1 = tl.load(src + i, mask=row_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + i, mask=row_ok, other=0.0).to(tl.float32)
-    if BF16:  # each op's result rounded as torch's bf16 ops round theirs (no helper per op: the interpreter pays
-        # for every call of a jit function)
-        c, sn = round_to_bf16(c), round_to_bf16(sn)
-        first = round_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * sn))
-        second = round_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * sn))
-    else:
-        first = x1 * c - x2 * sn
-        second = x2 * c + x1 * sn
+    x1, x2 = pairs(src, i, row_ok, HALF, INTERLEAVED)
+    first, second = rotated(x1, x2, c, sn, BF16)
     tl.store(dst + i, first.to(out_ptr.dtype.element_ty), mask=row_ok)
     tl.store(dst + HALF + i, second.to(out_ptr.dtype.element_ty), mask=row_ok)
     if REST > 0:

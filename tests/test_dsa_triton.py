@@ -167,6 +167,48 @@ def test_latent_rows_quantise_to_the_references_bytes(dtype, L, R, T):
     assert dsa_triton.quantize_latent(rows[:0].to(DEVICE), L).shape == (0, got.shape[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("S, K, N", [(1, 6144, 32), (3, 300, 5)])  # GLM-5's decode row; blocks past K, odd heads
+def test_head_weights_in_one_launch(S, K, N, dtype):
+    """The indexer's head weights (weights_proj kept fp32, times n_heads^-0.5) against the reference's cast, GEMV
+    and scale: the same fp32 products, summed in another order."""
+    from glm5_offload.model.mla import head_weights
+
+    g = torch.Generator().manual_seed(K + S)
+    proj = torch.nn.Linear(K, N, bias=False)
+    proj.weight.data = torch.randn(N, K, generator=g) * 0.02
+    x = torch.randn(S, K, generator=g).to(dtype)
+    want = head_weights(proj, x, N)
+    got = dsa_triton.head_weights(x.to(DEVICE), proj.weight.data.to(DEVICE), N**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (S, N) and rel_err(got.cpu(), want) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("T", [1, 6])
+def test_latent_rows_with_their_rope_in_the_same_launch(T, interleaved, dtype):
+    """c and k_pe as MLA splits kv_a's output (strided views), k_pe roped in the quantising kernel: the bytes of the
+    rows with k_pe roped first by rope_triton (bf16: every op rounded as torch's; fp32 on the GPU: to an FMA)."""
+    from glm5_offload.kernels import rope_triton
+    from glm5_offload.model.rope import cos_sin
+
+    L, R = 512, 64
+    g = torch.Generator().manual_seed(T + 3)
+    kv_a = (3 * torch.randn(T, L + R, generator=g)).to(DEVICE, dtype)
+    c, k_pe = kv_a.split([L, R], dim=-1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, R, 2) / R))
+    cos, sin = (t.to(DEVICE) for t in cos_sin(inv_freq, 1.0, torch.randint(0, 1 << 20, (T,), generator=g)))
+    got = dsa_triton.quantize_latent(c, L, rope=(k_pe, cos, sin, interleaved))
+    want = dsa_triton.quantize_latent(torch.cat([c, rope_triton.rope(k_pe, cos, sin, R, interleaved)], dim=-1), L)
+    if dtype == torch.bfloat16 or DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert torch.equal(got[:, : L + 4 * (L // 128)], want[:, : L + 4 * (L // 128)])  # c and its scales
+        assert rel_err(dequantize_latent(got.cpu(), L), dequantize_latent(want.cpu(), L)) < 1e-6
+    with pytest.raises(ValueError, match="rope part of 48"):
+        dsa_triton.quantize_latent(c, L, rope=(k_pe[:, :48], cos[:, :24], sin[:, :24], interleaved))
+
+
 def test_a_nan_in_a_latent_row_stays_a_nan_of_its_group():
     """A NaN makes its group's scale NaN (so its c values all NaN) as in the reference; an infinity's group holds
     NaN and zeros; the other groups and rows are the reference's bytes."""

@@ -112,9 +112,13 @@ KERNELS = [
                          "SH": "i32", "splits": "i32", **K("SPLITS L")}, dict(SPLITS=8, L=512)),
     (d._fp8_latent_to_bf16_kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "T": "i32", **K("L R RB G BLOCK_T")},
      dict(L=512, R=64, RB=64, G=128, BLOCK_T=16)),
-    (d._quantize_latent_kernel, {"rows_ptr": "*bf16", "out_ptr": "*u8", "T": "i32", "stride": "i32",
-                                 **K("L R RB G BLOCK_T PE_ROUND FP8_MAX")},
-     dict(L=512, R=64, RB=64, G=128, BLOCK_T=4, PE_ROUND=False, FP8_MAX=448.0)),
+    *[(d._quantize_latent_kernel, {"rows_ptr": "*bf16", "pe_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                   "out_ptr": "*u8", "T": "i32", "stride": "i32", "pe_stride": "i32",
+                                   **K("L R RB G BLOCK_T PE_ROUND FP8_MAX HALF INTERLEAVED ROPE_BF16")},
+       dict(L=512, R=64, RB=64, G=128, BLOCK_T=4, PE_ROUND=False, FP8_MAX=448.0, HALF=half, INTERLEAVED=True,
+            ROPE_BF16=True)) for half in (0, 32)],  # its rope part as it is, or roped in the kernel
+    (d._head_weights_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "K": "i32", "scale": "fp32",
+                              **K("BLOCK_K")}, dict(BLOCK_K=2048)),
     (e._dequantize_kernel, {"values_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "rows": "i32",
                             "cols": "i32", **K("GROUP INT4 BLOCK_R")}, dict(GROUP=128, INT4=True, BLOCK_R=32)),
     (e._round_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "K": "i32", **K("G BLOCK_T")},
@@ -123,14 +127,19 @@ KERNELS = [
                         **K("G BLOCK_T LIMIT QUANT")}, dict(G=128, BLOCK_T=4, LIMIT=True, QUANT=True)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
                              **K("WORDS BLOCK")}, dict(WORDS=328, BLOCK=512)),
-    *[(a._absorb_query_kernel, {"q_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
-                                "H": "i32", "L": "i32", **K("NOPE HEAD_ROWS BLOCK_S BLOCK_D FP8 ROUND_BF16 DOT")},
-       dict(NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_D=block, FP8=True, ROUND_BF16=True, DOT=dot))
-      for block_s, block, dot in ((16, 64, True), (1, 32, False))],
+    *[(a._absorb_query_kernel, {"q_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32",
+                                "pe_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pe_out_ptr": "*bf16",
+                                "S": "i32", "H": "i32", "L": "i32", "stride_s": "i32", "stride_h": "i32",
+                                **K("NOPE HEAD_ROWS BLOCK_S BLOCK_D BLOCK_C FP8 ROUND_BF16 DOT HALF INTERLEAVED "
+                                    "PE_BF16")},
+       dict(NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_D=block, BLOCK_C=128, FP8=True, ROUND_BF16=True, DOT=dot,
+            HALF=half, INTERLEAVED=True, PE_BF16=True))
+      for block_s, block, dot, half in ((16, 64, True, 0), (1, 32, False, 32))],  # a decode row: its rope too
     *[(a._absorb_output_kernel, {"o_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
-                                 "H": "i32", "L": "i32", **K("V NOPE HEAD_ROWS BLOCK_S BLOCK_V FP8 ROUND_BF16 DOT")},
-       dict(V=256, NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_V=block, FP8=True, ROUND_BF16=True, DOT=dot))
-      for block_s, block, dot in ((16, 64, True), (1, 32, False))],
+                                 "H": "i32", "L": "i32",
+                                 **K("V NOPE HEAD_ROWS BLOCK_S BLOCK_V BLOCK_L FP8 ROUND_BF16 DOT")},
+       dict(V=256, NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_V=block, BLOCK_L=128, FP8=True, ROUND_BF16=True,
+            DOT=dot)) for block_s, block, dot in ((16, 64, True), (1, 32, False))],
     *[(r._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "K": "i32",
                           "blocks_per_split": "i32", **K("BLOCK_T BLOCK_E BLOCK_K DOT")},
        dict(BLOCK_T=block_t, BLOCK_E=64, BLOCK_K=128, DOT=dot)) for block_t, dot in ((1, False), (16, True))],
@@ -199,4 +208,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "39 kernels" in proc.stdout
+    assert "41 kernels" in proc.stdout

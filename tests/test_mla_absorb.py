@@ -43,3 +43,32 @@ def test_absorbed_products_equal_the_reference(H, nope, v, L, S, fmt, dtype):
     assert got_q.shape == want_q.shape and got_o.shape == want_o.shape
     # the same products in fp32, summed in another order
     assert rel_err(got_q.cpu(), want_q) < 1e-6 and rel_err(got_o.cpu(), want_o) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("S", [1, 5])
+def test_the_query_and_its_rope_part_in_one_launch(S, interleaved, dtype):
+    """absorb_query over q_b_proj's output split as MLA splits it (strided views): q_lat as without rope, and the rope
+    part rotated as rope_triton rotates it (bit for bit in bf16, every op rounded as torch's; fp32 to an FMA)."""
+    from glm5_offload.model.rope import apply_rope, cos_sin
+
+    H, nope, R, v, L = 3, 40, 16, 72, 200
+    g = torch.Generator().manual_seed(S + 11)
+    w8, scales = fp8_blocks.quantize(torch.randn(H * (nope + v), L, generator=g) * 0.05)
+    q = (2 * torch.randn(S, H, nope + R, generator=g)).to(DEVICE, dtype)
+    q_nope, q_pe = q.split([nope, R], dim=-1)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, R, 2) / R))
+    cos, sin = cos_sin(inv_freq, 1.0, torch.randint(0, 1 << 20, (S,), generator=g))
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    stored = (w8.to(DEVICE), scales.to(DEVICE), dtype, nope + v)
+    q_lat, pe = mla_absorb.absorb_query(q_nope, *stored, rope=(q_pe, cos, sin, interleaved))
+    assert torch.equal(q_lat, mla_absorb.absorb_query(q_nope.contiguous(), *stored))
+    want = apply_rope(q_pe, cos, sin, interleaved)
+    assert pe.shape == want.shape and pe.dtype == dtype and pe.is_contiguous()
+    if dtype == torch.bfloat16 or DEVICE == "cpu":
+        assert torch.equal(pe, want)
+    else:
+        assert rel_err(pe, want) < 1e-6
+    with pytest.raises(ValueError, match="strides"):
+        mla_absorb.absorb_query(q_nope, *stored, rope=(q_pe.contiguous(), cos, sin, interleaved))

@@ -66,6 +66,11 @@ class Indexer(nn.Module):
         else:
             keys.index_copy_(0, positions, k.to(keys.dtype))
 
+    def head_weights(self, x):
+        """Each head's weight in a query's score [S, n_heads] fp32: weights_proj (kept fp32) of x, times
+        n_heads^-0.5."""
+        return head_weights(self.weights_proj, x, self.n_heads)
+
     def query_chunk(self, n_keys: int) -> int:
         """Queries scored per call: the reference holds [queries, heads, keys] logits at once."""
         return max(1, SCORE_BUDGET // (self.n_heads * n_keys))
@@ -85,10 +90,11 @@ class Indexer(nn.Module):
         S = x.shape[0]
         q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
         self.write_keys(self.k_norm(self.wk(x) if k is None else k), cos, sin, keys, positions)
-        weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5  # weights_proj is fp32
+        weights = self.head_weights(x)
         chunk = self.query_chunk(end)
-        return torch.cat([self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
-                                   call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)])
+        parts = [self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
+                          call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # (a cat of one part is still a copy)
 
     def top(self, q, keys, weights, positions, end: int):
         """The selected positions [S, min(topk, end)] of the queries at positions [S]: select of their scores."""
@@ -98,6 +104,11 @@ class Indexer(nn.Module):
         """The top index_topk positions of each row of scores [S, T] (topk_indices; indexer.dsa_triton's kernel
         overrides it)."""
         return topk_indices(scores, self.topk)
+
+
+def head_weights(weights_proj, x, n_heads: int):
+    """The indexer's head weights (Indexer.head_weights; GLM-5.3-Flash's pooled indexer has the same)."""
+    return weights_proj(x.float()).float() * n_heads**-0.5
 
 
 def call_end(end: int, S: int, stop: int, least: int = 0) -> int:
@@ -228,15 +239,8 @@ class Attention(nn.Module):
         # a decode step's query (q_b_proj, rope, W_UK) on a GPU's side stream, beside the cache's write, the indexer
         # and the tiered fetch (each a chain of small kernels)
         with Beside(x.device, on=S <= BESIDE_ROWS) as query:
-            q = self.q_b_proj(qr).view(S, self.n_heads, self.nope + self.rope_dim)
-            q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-            if self.rope_dim:  # GLM-5.3-Flash's has none
-                q_pe = self.rope(q_pe, cos, sin)
-            q_lat = self.absorb_query(q_nope, w)
-        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if self.rope_dim:
-            k_pe = self.rope(k_pe, cos, sin)
-        cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
+            q_lat, q_pe = self.query(qr, cos, sin, w)
+        self.write_latent(kv_a, cos, sin, cache, positions)
 
         if self.indexer is not None:
             with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
@@ -249,6 +253,27 @@ class Attention(nn.Module):
             o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
         out = self.absorb_output(o_lse[0], w).to(x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
+
+    def write_latent(self, kv_a, cos, sin, cache, positions):
+        """The cache rows [kv_a_layernorm(c) | k_pe roped] of kv_a [S, kv_lora_rank + rope_dim] (kv_a_proj_with_mqa's
+        output) written at positions [S]."""
+        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.rope_dim:
+            k_pe = self.rope(k_pe, cos, sin)
+        cache.write_latent(self.layer, positions, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
+
+    def query_parts(self, qr):
+        """q_b_proj(qr) for qr [S, q_lora_rank], split per head into (q_nope [S, H, nope], q_pe [S, H, rope_dim])
+        (views)."""
+        q = self.q_b_proj(qr).view(qr.shape[0], self.n_heads, self.nope + self.rope_dim)
+        return q.split([self.nope, self.rope_dim], dim=-1)
+
+    def query(self, qr, cos, sin, w):
+        """The absorbed query: (q_lat [S, H, kv_lora_rank] fp32, q_nope through W_UK; q_pe roped)."""
+        q_nope, q_pe = self.query_parts(qr)
+        if self.rope_dim:  # GLM-5.3-Flash's has none
+            q_pe = self.rope(q_pe, cos, sin)
+        return self.absorb_query(q_nope, w), q_pe
 
     def kv_b_weight(self, x):
         """kv_b_proj's W in the form absorb_query and absorb_output take, once a forward: here dense, as

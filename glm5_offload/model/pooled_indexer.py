@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .blocks import Linear
-from .mla import SCORE_BUDGET, call_end, indexer_scores
+from .mla import SCORE_BUDGET, call_end, head_weights, indexer_scores
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,10 @@ class PooledIndexer(nn.Module):
         cache.tail_keys[:rest] = keys[keys.shape[0] - rest :]
         cache.tail_gates[:rest] = gates[gates.shape[0] - rest :]
 
+    def head_weights(self, x):
+        """Each head's weight in a query's score [S, n_heads] fp32 (mla.head_weights)."""
+        return head_weights(self.weights_proj, x, self.n_heads)
+
     def scores(self, q, cache: PooledKeys, weights, positions, end: int):
         """Group scores [S, end // kpool]: the lightning indexer's (mla.indexer_scores) over the group keys, -inf for
         groups not complete at the query (plain torch here; a fast operator may override it)."""
@@ -122,7 +126,7 @@ class PooledIndexer(nn.Module):
         q = self.wq_b(qr).view(S, self.n_heads, self.head_dim)
         self.write_keys(self.k_norm(self.wk(x) if k is None else k), F.linear(x, self.index_kpool_compress_gate), cache,
                         positions)
-        weights = self.weights_proj(x.float()).float() * self.n_heads**-0.5
+        weights = self.head_weights(x)
         chunk = max(1, SCORE_BUDGET // (self.n_heads * max(1, end // self.kpool)))
         return torch.cat([
             selected_tokens(self.scores(q[s : s + chunk], cache, weights[s : s + chunk], positions[s : s + chunk],

@@ -5,9 +5,11 @@ Weights, cache layout and IndexShare behaviour are the reference's (model/mla.py
 indexer and keeps no indexer cache. Decode selects with kernels/topk_triton.py's radix select, a prefill chunk's
 rows over 64K keys by a sample's threshold (topk_triton.topk_sampled; torch.topk with sampled_topk false), shorter
 ones and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
-by one kernel straight into the cache rows; the other ropes (MLA's query and key parts, the indexer's queries) take
-one kernel each on a GPU (kernels/rope_triton.py; on the CPU torch's: in Triton's interpreter each launch costs some
-10 ms, which the CPU tests' forwards would pay thrice a layer).
+by one kernel straight into the cache rows, FP8 latent rows likewise (k_pe's rope, the cat with c and the
+quantisation: dsa_triton.quantize_latent); a decode step's query rope runs in absorbed MLA's W_UK launch
+(mla_absorb.absorb_query); the indexer's queries, and other steps' MLA ropes, take kernels/rope_triton.py's kernel on a
+GPU (on the CPU torch's: in Triton's interpreter each launch costs some 10 ms). A decode step's indexer head weights
+(weights_proj's fp32 GEMV and the scale) are one launch (dsa_triton.head_weights).
 """
 
 import torch
@@ -25,6 +27,16 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 # 16 rows 451 us against 281)
 
 
+def fused_head_weights(indexer, x) -> torch.Tensor | None:
+    """The indexer's head weights of decode rows on a GPU in one launch (dsa_triton.head_weights), where its
+    weights_proj is the plain fp32 Linear the model keeps; None elsewhere (the reference's then)."""
+    proj = indexer.weights_proj
+    if (x.is_cuda and x.shape[0] <= linear_triton.DECODE_ROWS and type(proj) is Linear
+            and proj.weight.dtype == torch.float32 and proj.weight.device == x.device):
+        return dsa_triton.head_weights(x, proj.weight, indexer.n_heads**-0.5)
+    return None
+
+
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
     sampled_topk = True  # the rule's kwarg: a prefill's wide rows take topk_triton.topk_sampled
@@ -34,6 +46,10 @@ class TritonIndexer(Indexer):
             return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end],
                                              q_fp8=None if self.fp8_queries else False)
         return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
+
+    def head_weights(self, x):
+        fused = fused_head_weights(self, x)
+        return super().head_weights(x) if fused is None else fused
 
     def _rope(self, t, cos, sin):
         if not t.is_cuda:
@@ -64,6 +80,10 @@ class TritonIndexer(Indexer):
 
 
 class TritonPooledIndexer(PooledIndexer):
+    def head_weights(self, x):
+        fused = fused_head_weights(self, x)
+        return super().head_weights(x) if fused is None else fused
+
     def scores(self, q, cache, weights, positions, end):
         """The indexer kernel over the group keys, its causal mask at each query's last complete group."""
         groups = cache.groups[: end // self.kpool]
@@ -83,6 +103,23 @@ class TritonAttention(Attention):
         o, lse = (None, None) if into is None else into
         return dsa_triton.sparse_mla(q_lat, q_pe, latent, indices, self.kv_lora_rank, self.scale, span=span, out=o,
                                      lse=lse, accumulate=into is not None)
+
+    def write_latent(self, kv_a, cos, sin, cache, positions):
+        """FP8 rows on a GPU (or in Triton's interpreter: the same bytes as the reference's): k_pe's rope, the cat and
+        the quantisation in one launch (dsa_triton.quantize_latent)."""
+        if not ((kv_a.is_cuda or INTERPRET) and self.latent_layout.fp8 and self.rope_dim):
+            return super().write_latent(kv_a, cos, sin, cache, positions)
+        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        rows = dsa_triton.quantize_latent(self.kv_a_layernorm(c), self.kv_lora_rank, rope=(k_pe, cos, sin,
+                                                                                            self.interleaved))
+        cache.write_latent(self.layer, positions, rows)
+
+    def query(self, qr, cos, sin, w):
+        """Decode rows (w a stored kv_b_proj, kv_b_weight) with a rope part: its rope in absorb_query's launch."""
+        if not isinstance(w, tuple) or not self.rope_dim:
+            return super().query(qr, cos, sin, w)
+        q_nope, q_pe = self.query_parts(qr)
+        return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim, rope=(q_pe, cos, sin, self.interleaved))
 
     def kv_b_weight(self, x):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it

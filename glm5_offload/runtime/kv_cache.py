@@ -149,8 +149,9 @@ class KVCache:
 
     def write_latent(self, layer: int, positions: torch.Tensor, rows: torch.Tensor):
         """rows [S, L+R] (compute dtype) of the tokens at positions [S] into layer's cache, in its form (FP8 on a
-        GPU: by one Triton kernel, the same bytes as the reference's ten)."""
-        if self.layouts[layer].fp8:
+        GPU: by one Triton kernel, the same bytes as the reference's ten; rows already in the FP8 form (uint8) are
+        written as they are)."""
+        if self.layouts[layer].fp8 and rows.dtype != torch.uint8:
             rows = (dsa_triton.quantize_latent if rows.is_cuda else quantize_latent)(rows, self.kv_lora_rank)
         rows_store = self.latent[layer]
         if isinstance(rows_store, TieredLatent):
