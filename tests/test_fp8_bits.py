@@ -39,8 +39,9 @@ def test_every_byte_widens_to_torchs_value():
 
 
 def test_values_narrow_to_torchs_bytes():
-    """Every e4m3 value, every midpoint between neighbours (ties to even), the subnormals' range, random values; past
-    the largest finite value and infinities (torch saturates them at 448), NaN (torch's NaN, with its sign)."""
+    """Every e4m3 value, every midpoint between neighbours (ties to even), the subnormals' range, random values: torch's
+    bytes; NaN: torch's NaN, with its sign. What rounds past 448, the largest finite value, infinities too, saturates
+    at 448 (torch 2.13's cast does; 2.11's, the GPU machine's, makes them NaN: the test holds the kernel to one rule)."""
     values = torch.tensor([b for b in range(127)], dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
     mids = (values[1:] + values[:-1]) / 2
     g = torch.Generator().manual_seed(0)
@@ -51,6 +52,8 @@ def test_values_narrow_to_torchs_bytes():
     out = torch.empty(x.numel(), dtype=torch.uint8, device=DEVICE)
     _narrow[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), out, x.numel(), BLOCK=1024)
     want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    past = x.abs() > 464  # (464, the midpoint of 448 and 480, rounds to even: 448)
+    want[past] = torch.where(x[past] < 0, 0xFE, 0x7E).to(torch.uint8)
     bad = (out.cpu() != want).nonzero().flatten()
     assert bad.numel() == 0, [(x[i].item(), out[i].item(), want[i].item()) for i in bad[:5]]
 
