@@ -112,15 +112,16 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     rope: (q_pe [S, H, R], the query's rope part with q_nope's strides (q_b_proj's output split), cos, sin
     [S, R/2] fp32, interleaved): then returns (q_lat, q_pe rotated as rope_triton.rope rotates it, contiguous), one
     launch for both.
-    block_c, block_d, num_warps: a program's columns of L, the rows of W_UK it reads at a time (default: as many
-    as a register tile of 32 products per query row allows), its warps (bench_decode_parts.py --sweep)."""
+    block_c, block_d, num_warps: a program's columns of L, the rows of W_UK it reads at a time (default: 64, or as
+    many as a register tile of 64 x 128 products per query row allows), its warps (bench_decode_parts.py --sweep:
+    on an H200 one query row took 8.3 us with block_d 64, 9.7 with 32, RESULTS.md session 45)."""
     S, H, nope = q_nope.shape
     L = weight.shape[1]
     if q_nope.stride(-1) != 1:
         q_nope = q_nope.contiguous()
     out = torch.empty(S, H, L, dtype=torch.float32, device=q_nope.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_d = block_d or min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(nope)))
+    block_d = block_d or min(64 // (1 if meta["DOT"] else meta["BLOCK_S"]), max(16, triton.next_power_of_2(nope)))
     if rope is None:
         pe = cos = sin = pe_out = out  # (not read: HALF 0)
         half, interleaved = 0, False
@@ -139,16 +140,18 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
 
 
 def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                  nope: int, head_rows: int, block_v: int | None = None, block_l: int = 128,
+                  nope: int, head_rows: int, block_v: int | None = None, block_l: int | None = None,
                   num_warps: int = 4) -> torch.Tensor:
     """o [S, H, L] fp32 through W_UV^T -> [S, H, v] fp32, v = head_rows - nope (weight and scales as absorb_query's).
-    block_v, block_l, num_warps: a program's rows of W_UV (default as absorb_query's block_d), the columns it reads
-    at a time, its warps."""
+    block_v, block_l, num_warps: a program's rows of W_UV, the columns it reads at a time, its warps (default with
+    dots 64 x 128; else 16 rows, each query row's register tile 16 x 512: on an H200 one query row took 10.9 us so,
+    18.5 with 32 x 128, bench_decode_parts.py --sweep, RESULTS.md session 45)."""
     S, H, L = o.shape
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_v = block_v or min(64 if meta["DOT"] else 32 // meta["BLOCK_S"], max(16, triton.next_power_of_2(V)))
+    block_v = block_v or min(64 if meta["DOT"] else 16, max(16, triton.next_power_of_2(V)))
+    block_l = block_l or (128 if meta["DOT"] else 512 // meta["BLOCK_S"])
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
                                                          HEAD_ROWS=head_rows, BLOCK_V=block_v, BLOCK_L=block_l,
                                                          num_warps=num_warps, **meta)
