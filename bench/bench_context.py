@@ -55,7 +55,7 @@ def fill(engine: Engine, n: int):
                 keys.scales[rows].copy_(scales)
             else:
                 keys[rows].copy_(values.to(keys.dtype))
-    cache.length = n
+    cache.replaced(n)
     engine.cache_ids = torch.randint(0, config.vocab_size, (n,)).tolist()
 
 

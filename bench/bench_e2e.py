@@ -73,8 +73,8 @@ def expert_format(model) -> tuple[str, int] | None:
 def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
     """Decode after a context of random cache rows (bench_context.fill: no prefill), twice: the second run's speed and
     graph split, and its CPU experts' calls made again alone. It continues the first (its prompt is the first's with
-    its reply: one token prefilled), so the tiered cache's hot rows are those a long decode keeps, not reset by a
-    rewind to the first run's position."""
+    its reply: one token prefilled), so the tiered cache's hot rows are those a long decode keeps (a rewind to the
+    first run's position would free the LRU slots of tokens within a window of it)."""
     fill(engine, context)
     prompt = engine.cache_ids + [0]  # the cached rows are the prompt's prefix: one token is prefilled
     first = engine.generate(prompt, new_tokens)

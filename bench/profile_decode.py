@@ -37,7 +37,7 @@ def main(argv=None):
     if args.filled:  # the cached rows are the prompt's prefix: one token prefilled, then the warm-up steps
         fill(engine, args.context)
         first = engine.generate(engine.cache_ids + [0], args.steps)
-        ids = first.prompt_ids + first.output_ids  # the profiled steps continue them (a rewind resets the hot rows)
+        ids = first.prompt_ids + first.output_ids  # the profiled steps continue them (a rewind frees hot slots)
     else:
         prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
         first = engine.generate(prompt.tolist(), args.steps)  # prefill, and the warm-up steps

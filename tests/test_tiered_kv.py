@@ -11,6 +11,7 @@ from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
+from glm5_offload.runtime.saved_context import load_context, save_context
 from glm5_offload.runtime.tiered_kv import TieredLatent, least_recent
 
 from conftest import build_hf_model, refused_rule
@@ -66,13 +67,33 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     hits, misses = int(tier.hits), int(tier.misses)
     assert hits + misses == selected and hits > selected // 3 and misses > 0
 
-    # the cache rewound (a new prompt shares only a prefix): the hot state restarts from the host rows
+    # the cache rewound (a new prompt shares only a prefix): the LRU rows before the new window stay hot, the window
+    # is refilled from the host rows, the other LRU slots are free (never used, for the fetch's shortcut)
+    in_lru = tier.token_of[: tier.lru].cpu()
+    kept = in_lru[(in_lru >= 0) & (in_lru < 192)]
+    assert 0 < kept.numel() < (in_lru >= 0).sum()  # (the test's point: some stay, some go)
     tier.reset(200)
+    tokens = torch.arange(400)
+    window = (tokens >= 192) & (tokens < 200)
+    assert torch.equal(tier.slot_of[:400].cpu() >= 0, window | torch.isin(tokens, kept))
+    check_resident(tier, torch.cat([kept, tokens[window]]).to(DEVICE))
+    assert int(tier.unused) == (tier.token_of[: tier.lru] < 0).sum() == tier.lru - kept.numel()
+    assert (tier.stamp[: tier.lru][tier.token_of[: tier.lru] < 0] == 0).all()
     tier.write(torch.arange(200, 203, device=DEVICE), torch.randn(3, 8, generator=g).to(DEVICE))
-    assert torch.equal(tier.slot_of[:400].cpu() >= 0, (torch.arange(400) >= 195) & (torch.arange(400) < 203))
-    picks = torch.tensor([0, 150, 199, 201]).to(DEVICE)
+    window = (tokens >= 195) & (tokens < 203)
+    assert torch.equal(tier.slot_of[:400].cpu() >= 0, window | torch.isin(tokens, kept))
+    hits = int(tier.hits)
+    picks = torch.tensor([0, 150, 199, 201, *kept[:3].tolist()]).unique().to(DEVICE)
     tier.fetch(picks[None], torch.tensor([202], device=DEVICE))
     check_resident(tier, picks)
+    assert int(tier.hits) - hits == torch.isin(picks.cpu(), torch.cat([kept, tokens[window]])).sum()
+
+    # its host rows replaced (a saved context loaded into it): only the window of what it now holds is hot
+    tier.host[:150] = torch.randn(150, 8, generator=g)
+    tier.forget(150)
+    assert torch.equal(tier.slot_of[:400].cpu() >= 0, (tokens >= 142) & (tokens < 150))
+    assert int(tier.unused) == tier.lru and (tier.token_of[: tier.lru] < 0).all() and (tier.stamp == 0).all()
+    check_resident(tier, torch.arange(142, 150, device=DEVICE))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -216,6 +237,30 @@ def test_engine_rewinds_the_tiered_cache(hf_checkpoint, tmp_path):
         a, b = plain.generate(prompt, 20), tiered.generate(prompt, 20)
         assert a.output_ids == b.output_ids
     assert b.reused_tokens == 30
+
+
+def test_a_context_loaded_into_a_used_tiered_cache_leaves_nothing_stale_hot(hf_checkpoint, tmp_path):
+    """A saved context loaded into an engine whose tiered cache holds another context's rows hot: it decodes what a
+    fresh engine that loads it does (the rows the LRU part held are another context's, under the same positions)."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+
+    def engine(rules):
+        e = Engine(load_model(path, dtype=torch.float32, rules=rules), max_seq_len=128)
+        e.stop_ids = set()
+        return e
+
+    tiered = offload_rules(tmp_path, "cpu", 48 * 192, 4)
+    saver = engine(plain_rules(tmp_path, "cpu"))
+    saver.generate(list(range(60, 110)), 4)
+    save_context(saver, tmp_path / "ctx.safetensors")
+    used, fresh = engine(tiered), engine(tiered)
+    used.generate(list(range(10, 60)), 20)  # its LRU part holds rows of these tokens' positions
+    tier = used.cache.latent[0]
+    assert (tier.token_of[: tier.lru] >= 0).sum() > 8
+    prompt = saver.cache_ids + list(range(120, 125))
+    for e in (used, fresh):
+        assert load_context(e, tmp_path / "ctx.safetensors") == len(saver.cache_ids)
+    assert used.generate(prompt, 12).output_ids == fresh.generate(prompt, 12).output_ids
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -100,6 +100,14 @@ class KVCache:
                 tensors[f"keys.{i}"] = keys[:n]
         return {**tensors, **self.states()}
 
+    def replaced(self, n: int):
+        """After the rows and states of n tokens were written in from elsewhere (a saved context): the length n, no
+        resume point, and no row of what the tiered layers held before left hot."""
+        self.length, self.resume_point = n, None
+        for rows_store in self.latent:
+            if isinstance(rows_store, TieredLatent):
+                rows_store.forget(n)
+
     def mark_resume_point(self):
         """Keep the state at the current length: a later rewind to it (or past it) resumes there."""
         if self.kda:

@@ -204,6 +204,5 @@ def load_context(engine: Engine, path: str | Path) -> int:
             copies += [(target[i : i + rows], source[i : i + rows]) for i in range(0, target.shape[0], rows)]
         list(_pool.map(lambda pair: pair[0].copy_(pair[1]), copies))  # torch's copies free the GIL too
     engine.cache_ids = ids
-    cache.length = n
-    cache.resume_point = None
+    cache.replaced(n)
     return n

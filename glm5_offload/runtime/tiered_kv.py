@@ -48,16 +48,28 @@ class TieredLatent:
         return self.host.shape[1] * self.host.element_size()
 
     def reset(self, end: int):
-        """Forget the hot state (the cache was rewound to `end` tokens); refill the window from host."""
-        self.slot_of.fill_(-1)
-        self.token_of.fill_(-1)
-        self.stamp.zero_()
-        self.unused.fill_(self.lru)
+        """The cache was rewound to `end` tokens (a chat's next turn keeping a common prefix, a pass given up): the
+        LRU rows of tokens before the new window stay hot (their host rows are unchanged), the others' slots are
+        freed as never used; the window is refilled from host."""
         begin = max(0, end - self.window)
+        leaving = self.token_of[: self.lru] >= begin  # in the new window, or past the end
+        self.token_of[: self.lru].masked_fill_(leaving, -1)
+        self.stamp[: self.lru].masked_fill_(leaving, 0)
+        self.unused += leaving.sum()
+        self.slot_of[begin:].fill_(-1)  # (window slots hold no token before begin: they held the last ones written)
         positions = torch.arange(begin, end, device=self.device)
         self.hot[positions % self.window] = self.host[begin:end].to(self.device, non_blocking=True)
         self.slot_of[positions] = (positions % self.window).int()
         self.end = end
+
+    def forget(self, end: int):
+        """The host rows were replaced (a saved context loaded into this cache): nothing stays hot but the window of
+        the `end` tokens now held."""
+        self.token_of[: self.lru].fill_(-1)
+        self.stamp.zero_()
+        self.unused.fill_(self.lru)
+        self.slot_of.fill_(-1)
+        self.reset(end)
 
     def write(self, positions: torch.Tensor, rows: torch.Tensor):
         """Rows [S, width] of the consecutive tokens at positions [S] (on the device): to the host tier (written
