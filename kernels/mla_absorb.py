@@ -150,7 +150,7 @@ def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
-    block_v = block_v or min(64 if meta["DOT"] else 16, max(16, triton.next_power_of_2(V)))
+    block_v = block_v or (min(64, max(16, triton.next_power_of_2(V))) if meta["DOT"] else 16)
     block_l = block_l or (128 if meta["DOT"] else 512 // meta["BLOCK_S"])
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
                                                          HEAD_ROWS=head_rows, BLOCK_V=block_v, BLOCK_L=block_l,
