@@ -24,9 +24,9 @@ log = logging.getLogger("glm5_offload")
 
 def fuse_same_input(model, placement):
     """Each module that names the projections reading its input (SAME_INPUT: the attention's q_a_proj,
-    kv_a_proj_with_mqa and indexer's wk, an MLP's gate_proj and up_proj) gets them as one call (fused_inputs) where
-    one operator placed them all on the module's own device and can fuse them (Operator.fuse). Trailing names it
-    lacks (a shared layer has no indexer) are left out."""
+    kv_a_proj_with_mqa and indexer's wk, an MLP's gate_proj and up_proj, a KDA layer's six) gets them as one call
+    (fused_inputs) where one operator placed them all on the module's own device and can fuse them (Operator.fuse).
+    Trailing names it lacks (a shared layer has no indexer) are left out."""
     for name, module in model.named_modules():
         names = getattr(module, "SAME_INPUT", ())
         while names and not _has(module, names[-1]):

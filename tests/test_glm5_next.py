@@ -10,7 +10,7 @@ import torch
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.loader import load_model
-from glm5_offload.model.kda import forget_decay, kda_chunked, kda_recurrent, l2_normalise
+from glm5_offload.model.kda import KDA, forget_decay, kda_chunked, kda_recurrent, l2_normalise
 from glm5_offload.model.pooled_indexer import PooledIndexer, PooledKeys, pool
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
@@ -220,8 +220,6 @@ def test_a_pass_cut_short_leaves_no_trace_in_the_kda_states(hf_next, cut_at):
     """Ctrl-C (or the GPU out of memory) in the middle of a forward: the KDA layers before the cut have taken the
     pass into their states in place, the cache's length has not; the engine goes back to its resume point (or to
     empty), so the next turn decodes what a fresh engine decodes."""
-    from glm5_offload.model.kda import KDA
-
     model, engine, first, out, extra = first_turn(hf_next)
     calls = []
 
@@ -334,6 +332,26 @@ def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, t
     engine = Engine(placed, cuda_graphs=False)
     engine.stop_ids = set()
     assert len(engine.generate(ids.tolist(), 8).output_ids) == 8
+
+
+def test_a_kda_layers_projections_of_its_input_run_as_one(hf_next):
+    """Under rules/glm5-flash.yaml (FP8 projections, linear.triton) each KDA layer's six projections of x are one call
+    (loader.fuse_same_input): a prompt and two decode steps give the logits of the same model calling them apart."""
+    from glm5_offload.rules import load_rules
+
+    path, _ = hf_next(4, 2)
+    model = load_model(path, dtype=torch.float32, rules=load_rules("glm5-flash"), device="cpu")
+    kdas = [m for m in model.modules() if isinstance(m, KDA)]
+    assert kdas and all(len(m.fused_inputs.parts) == len(KDA.SAME_INPUT) for m in kdas)
+
+    def logits(fused):
+        for m, f in zip(kdas, fused):
+            m.fused_inputs = f
+        cache = new_cache(model, 64)
+        return torch.stack([model(torch.tensor(ids), cache)[-1] for ids in (prompt(6).tolist(), [8], [61])])
+
+    fused = [m.fused_inputs for m in kdas]
+    assert rel_err(logits(fused), logits([None] * len(fused))) < 1e-5
 
 
 # ------------------------------------------------------------------ on the GPU (pytest -m gpu)

@@ -134,6 +134,15 @@ class KDA(nn.Module):
         self.g_b_proj = Linear(D, H * D)
         self.o_norm = GatedRMSNorm(D, config.rms_norm_eps)
         self.o_proj = Linear(H * D, hidden)
+        self.fused_inputs = None  # the SAME_INPUT projections at once, where their operator can (set by the loader)
+
+    SAME_INPUT = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")  # the projections that read x
+
+    def input_projections(self, x) -> list[torch.Tensor]:
+        """The SAME_INPUT projections of x, in that order."""
+        if self.fused_inputs is not None:
+            return self.fused_inputs(x)
+        return [getattr(self, name)(x) for name in self.SAME_INPUT]
 
     def conv_weight(self) -> torch.Tensor:
         """The three convolutions' taps as one [3*H*D, K] (q, k, v channels in order)."""
@@ -159,14 +168,15 @@ class KDA(nn.Module):
         """x [S, hidden], the tokens after those cache_state has seen -> [S, hidden]; updates cache_state."""
         with span("attention", x.device):
             S, H, D = x.shape[0], self.n_heads, self.head_dim
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [S, 3*H*D]
+            q, k, v, f_a, b, g_a = self.input_projections(x)
+            qkv = torch.cat([q, k, v], dim=-1)  # [S, 3*H*D]
             mixed = causal_conv(qkv, self.conv_weight(), cache_state.conv)
             K1 = cache_state.conv.shape[0]
             cache_state.conv.copy_(torch.cat([cache_state.conv, qkv.to(cache_state.conv.dtype)])[-K1:])
             q, k, v = (t.view(S, H, D) for t in mixed.split(H * D, dim=-1))
-            g = self.f_b_proj(self.f_a_proj(x)).view(S, H, D)
-            beta = torch.sigmoid(self.b_proj(x).float())
+            g = self.f_b_proj(f_a).view(S, H, D)
+            beta = torch.sigmoid(b.float())
             o, state = self.recurrence(q, k, v, g, beta, cache_state.state)
             cache_state.state.copy_(state)
-            gate = self.g_b_proj(self.g_a_proj(x)).view(S, H, D)
+            gate = self.g_b_proj(g_a).view(S, H, D)
             return self.o_proj(self.o_norm(o.to(x.dtype), gate).reshape(S, H * D))
