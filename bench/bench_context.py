@@ -25,6 +25,7 @@ from glm5_offload.config import load_config
 from glm5_offload.formats.kv_rows import FP8Keys, quantize_keys, quantize_latent
 from glm5_offload.loader import load_model
 from glm5_offload.model import build_model
+from glm5_offload.model.pooled_indexer import PooledKeys
 from glm5_offload.planner import make_plan
 from glm5_offload.rules import load_rules, place
 from glm5_offload.runtime.engine import Engine
@@ -36,20 +37,26 @@ from glm5_offload.tiny import make_tiny
 
 def fill(engine: Engine, n: int):
     """n tokens of random cache rows and ids, as if prefilled: normal values in each store's form (FP8 rows and keys
-    quantised from them, so that scores and attention over them stay finite)."""
+    quantised from them, so that scores and attention over them stay finite). GLM-5.3-Flash: a pooled indexer's key
+    a complete group (the open group's keys and the KDA layers' states stay zeros, values a prefill could leave)."""
     cache = engine.cache = new_cache(engine.model, engine.max_seq_len)
     config, device = engine.model.config, engine.model.device
-    for first in range(0, n, 1 << 16):
+    for first in range(0, n, 1 << 16):  # (a multiple of index_kpool: a chunk's groups are its own)
         rows = slice(first, min(n, first + (1 << 16)))
         m = rows.stop - rows.start
         for latent in cache.latent:
+            if latent is None:  # a KDA layer's
+                continue
             store = latent.host if isinstance(latent, TieredLatent) else latent
             values = torch.randn(m, config.latent_dim, device=device)
             store[rows].copy_(quantize_latent(values, config.kv_lora_rank) if store.dtype == torch.uint8
                               else values.to(store.dtype))
         for keys in cache.index_keys.values():
             values = torch.randn(m, config.index_head_dim, device=device)
-            if isinstance(keys, FP8Keys):
+            if isinstance(keys, PooledKeys):
+                groups = slice(rows.start // config.index_kpool, rows.stop // config.index_kpool)
+                keys.groups[groups].copy_(values[: groups.stop - groups.start].to(keys.groups.dtype))
+            elif isinstance(keys, FP8Keys):
                 k8, scales = quantize_keys(values)
                 keys.values[rows].copy_(k8)
                 keys.scales[rows].copy_(scales)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import bench_context  # noqa: E402
 import bench_e2e  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -93,6 +94,21 @@ def test_decode_after_a_filled_context_prefills_one_token(tiny_dir):
     assert engine.cache.length == 150 + 2 * 2 and len(engine.cache_ids) == 154
     tiered = [store for store in engine.cache.latent if isinstance(store, TieredLatent)]
     assert tiered and all(store.end == 154 for store in tiered)
+    logits = engine.model(torch.tensor([1]), engine.cache, logits_for="last")
+    assert torch.isfinite(logits).all()
+
+
+def test_a_flash_context_is_filled_too(tiny_dir):
+    """--filled for GLM-5.3-Flash: its DSA layers' rows and the pooled indexers' group keys (one a complete group of
+    index_kpool tokens, random; the KDA states empty), and decode after them gives finite logits."""
+    model = load_model(tiny_dir("glm5_next"), device="cpu", rules=load_rules("glm5-flash"), max_seq_len=64)
+    engine = Engine(model, max_seq_len=64)
+    bench_context.fill(engine, 50)
+    kpool = model.config.index_kpool
+    pooled = list(engine.cache.index_keys.values())
+    assert pooled and all(k.groups[: 50 // kpool].abs().sum(-1).gt(0).all() for k in pooled)
+    assert all((k.groups[50 // kpool :] == 0).all() for k in pooled)
+    assert engine.cache.length == 50
     logits = engine.model(torch.tensor([1]), engine.cache, logits_for="last")
     assert torch.isfinite(logits).all()
 
