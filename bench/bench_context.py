@@ -41,7 +41,7 @@ def fill(engine: Engine, n: int):
     a complete group (the open group's keys and the KDA layers' states stay zeros, values a prefill could leave)."""
     cache = engine.cache = new_cache(engine.model, engine.max_seq_len)
     config, device = engine.model.config, engine.model.device
-    for first in range(0, n, 1 << 16):  # (a multiple of index_kpool: a chunk's groups are its own)
+    for first in range(0, n, 1 << 16):
         rows = slice(first, min(n, first + (1 << 16)))
         m = rows.stop - rows.start
         for latent in cache.latent:
