@@ -18,6 +18,7 @@ from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton, linear_triton, mla_absorb, rope_triton, topk_triton
 from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, RMSNorm, indexer_scores
+from ..model import mla
 from ..model.pooled_indexer import last_complete_group
 from .linear_triton import QuantLinear
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
@@ -27,14 +28,14 @@ RADIX_ROWS = 4  # score rows up to which the radix select beats torch.topk (H200
 # 16 rows 451 us against 281)
 
 
-def fused_head_weights(indexer, x) -> torch.Tensor | None:
-    """The indexer's head weights of decode rows on a GPU in one launch (dsa_triton.head_weights), where its
-    weights_proj is the plain fp32 Linear the model keeps; None elsewhere (the reference's then)."""
+def head_weights(indexer, x) -> torch.Tensor:
+    """An indexer's head weights (Indexer.head_weights): of decode rows on a GPU in one launch
+    (dsa_triton.head_weights), where its weights_proj is the plain fp32 Linear the model keeps; else the reference's."""
     proj = indexer.weights_proj
     if (x.is_cuda and x.shape[0] <= linear_triton.DECODE_ROWS and type(proj) is Linear
             and proj.weight.dtype == torch.float32 and proj.weight.device == x.device):
         return dsa_triton.head_weights(x, proj.weight, indexer.n_heads**-0.5)
-    return None
+    return mla.head_weights(proj, x, indexer.n_heads)
 
 
 class TritonIndexer(Indexer):
@@ -48,8 +49,7 @@ class TritonIndexer(Indexer):
         return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
 
     def head_weights(self, x):
-        fused = fused_head_weights(self, x)
-        return super().head_weights(x) if fused is None else fused
+        return head_weights(self, x)
 
     def _rope(self, t, cos, sin):
         if not t.is_cuda:
@@ -81,8 +81,7 @@ class TritonIndexer(Indexer):
 
 class TritonPooledIndexer(PooledIndexer):
     def head_weights(self, x):
-        fused = fused_head_weights(self, x)
-        return super().head_weights(x) if fused is None else fused
+        return head_weights(self, x)
 
     def scores(self, q, cache, weights, positions, end):
         """The indexer kernel over the group keys, its causal mask at each query's last complete group."""
