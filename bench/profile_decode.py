@@ -1,6 +1,8 @@
 """Where a decode step's wall time goes, by torch.profiler: the ops that take the most host time, the GPU's
 busy time per step and the kernel launches per step. Decode is launch-bound when the GPU's busy time is far
-below the step's wall time.
+below the step's wall time. With CPU experts (decode from CUDA graphs) it also times each MoE layer's hand-offs from
+the trace: the GPU's span from the host's signal to the next experts' inputs on the host, its kernels' busy time in
+that span, and the host's waking after it (the critical path a step adds to its experts).
 
     PYTHONPATH=.:bench python3 bench/profile_decode.py --model DIR --rules glm5 [--context 4096] [--steps 8]
         [--filled]
@@ -10,15 +12,60 @@ step in seconds).
 """
 
 import argparse
+import statistics
 import time
 
 import torch
 from bench_context import fill
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
+
+
+def busy_us(events) -> float:
+    """The time any of events (device kernels and copies) runs: the union of their intervals."""
+    total, end = 0.0, float("-inf")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        start, stop = max(e.time_range.start, end), e.time_range.end
+        total, end = total + max(0.0, stop - start), max(end, stop)
+    return total
+
+
+def hand_offs(prof) -> dict[str, list[tuple]]:
+    """Each MoE layer of the trace after a host signal (its graph piece starts with the signal's wait kernel): (us
+    from the wait's end to the last copy of the experts' inputs into pinned memory, the GPU's busy us and its kernels
+    and copies in that span, us until the host returned from its wait for them), keyed by what came before the
+    signal's wait: another MoE layer, or the step's end (head, sampling, the next token's dense layers)."""
+    events = prof.events()
+    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    woke = sorted(e.time_range.end for e in events if e.name == "cudaEventSynchronize")
+    waits = [i for i, e in enumerate(gpu) if e.name == "_wait_kernel"]
+    out = {"after a MoE layer": [], "first of a step": []}
+    for i, j in zip(waits, waits[1:]):
+        inside = gpu[i + 1:j]
+        copies = [k for k, e in enumerate(inside) if e.name == "Memcpy DtoH (Device -> Pinned)"]
+        if not copies:
+            continue
+        piece, ready = inside[:copies[-1] + 1], inside[copies[-1]].time_range.end
+        host = next((t for t in woke if t >= ready), None)
+        after = "first of a step" if any("Pageable" in e.name for e in piece) else "after a MoE layer"
+        out[after].append((ready - gpu[i].time_range.end, busy_us(piece), len(piece),
+                           None if host is None else host - ready))
+    return out
+
+
+def print_hand_offs(prof):
+    print("| MoE layer | layers | signal to inputs on host us | GPU busy us | kernels and copies | gaps us "
+          "| host wakes us |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for after, rows in hand_offs(prof).items():
+        if rows:
+            span, busy, count, wake = (statistics.median([v for v in col if v is not None] or [float("nan")])
+                                       for col in zip(*rows))
+            print(f"| {after} | {len(rows)} | {span:.1f} | {busy:.1f} | {count:.0f} | {span - busy:.1f} | {wake:.1f} |")
 
 
 def main(argv=None):
@@ -56,6 +103,7 @@ def main(argv=None):
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows))
     print(f"per forward: wall {wall / steps * 1e3:.2f} ms, GPU busy {gpu_us / steps / 1e3:.2f} ms, "
           f"{launches / steps:.0f} kernel launches, layers {model.config.num_hidden_layers}")
+    print_hand_offs(prof)
 
 
 if __name__ == "__main__":
