@@ -28,15 +28,8 @@ def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D:
     row = tl.load(rows_ptr + t)
     half = HALF
     i = tl.arange(0, HALF)
-    if INTERLEAVED:
-        x1 = tl.load(k_ptr + t * D + 2 * i).to(tl.float32)
-        x2 = tl.load(k_ptr + t * D + 2 * i + 1).to(tl.float32)
-    else:
-        x1 = tl.load(k_ptr + t * D + i).to(tl.float32)
-        x2 = tl.load(k_ptr + t * D + half + i).to(tl.float32)
-    c = tl.load(cos_ptr + t * half + i)
-    s = tl.load(sin_ptr + t * half + i)
-    r1, r2 = x1 * c - x2 * s, x2 * c + x1 * s
+    x1, x2 = pairs(k_ptr + t * D, i, i < HALF, HALF, INTERLEAVED)
+    r1, r2 = rotated(x1, x2, tl.load(cos_ptr + t * half + i), tl.load(sin_ptr + t * half + i), False)
     rest_i = tl.arange(0, REST)
     rest = tl.load(k_ptr + t * D + RD + rest_i).to(tl.float32)
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(r1)), tl.max(tl.abs(r2))), tl.max(tl.abs(rest)))
@@ -264,9 +257,13 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, range_ptr, out_ptr, lse
         if FP8:
             row = lat_ptr + tl.where(ok, idx, 0).to(tl.int64) * (L + 4 * (L // G) + 2 * R)
             c8 = tl.load(row[:, None] + lc[None, :], mask=ok[:, None], other=0)  # e4m3 bytes
-            sc = tl.load((row[:, None] + L + 4 * (lc[None, :] // G)).to(tl.pointer_type(tl.float32)),
-                         mask=ok[:, None], other=0.0)
-            c = (e4m3_to_f16(c8).to(tl.float32) * (sc * 256.0)).to(q_c.dtype)
+            # each row's L // G scales loaded once and spread over their groups in registers (a scale loaded for
+            # every value took 32 us a decode call against 18, H100, 2048 rows of 656 B: bench/RESULTS.md)
+            g = tl.arange(0, L // G)
+            sc = tl.load((row[:, None] + L + 4 * g[None, :]).to(tl.pointer_type(tl.float32)), mask=ok[:, None],
+                         other=0.0)
+            c = tl.reshape(e4m3_to_f16(c8).to(tl.float32), (BLOCK_K, L // G, G)) * (sc * 256.0)[:, :, None]
+            c = tl.reshape(c, (BLOCK_K, L)).to(q_c.dtype)
             pe = tl.load((row[:, None] + L + 4 * (L // G) + 2 * lr[None, :]).to(tl.pointer_type(tl.bfloat16)),
                          mask=ok[:, None] & r_ok[None, :], other=0.0).to(q_r.dtype)
         else:
@@ -468,6 +465,6 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
         BLOCK_K=block_k, CAST=cast, FP8=fp8, RANGED=span is not None, ACCUMULATE=accumulate and splits == 1,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits), L=L,
-                                  ACCUMULATE=accumulate)
+        _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits),
+                                  L=L, ACCUMULATE=accumulate)
     return out, lse
