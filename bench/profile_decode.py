@@ -37,8 +37,9 @@ def busy_us(events) -> float:
 def hand_offs(prof) -> dict[str, list[tuple]]:
     """Each MoE layer of the trace after a host signal (its graph piece starts with the signal's wait kernel): (us
     from the wait's end to the last copy of the experts' inputs into pinned memory, the GPU's busy us and its kernels
-    and copies in that span, us until the host returned from its wait for them), keyed by what came before the
-    signal's wait: another MoE layer, or the step's end (head, sampling, the next token's dense layers)."""
+    and copies in that span, us until the host returned from its wait for them, those kernels and copies, the wait's
+    end), keyed by what came before the signal's wait: another MoE layer, or the step's end (head, sampling, the next
+    token's dense layers)."""
     events = prof.events()
     gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     woke = sorted(e.time_range.end for e in events if e.name == "cudaEventSynchronize")
@@ -53,7 +54,7 @@ def hand_offs(prof) -> dict[str, list[tuple]]:
         host = next((t for t in woke if t >= ready), None)
         after = "first of a step" if any("Pageable" in e.name for e in piece) else "after a MoE layer"
         out[after].append((ready - gpu[i].time_range.end, busy_us(piece), len(piece),
-                           None if host is None else host - ready))
+                           None if host is None else host - ready, piece, gpu[i].time_range.end))
     return out
 
 
@@ -64,8 +65,14 @@ def print_hand_offs(prof):
     for after, rows in hand_offs(prof).items():
         if rows:
             span, busy, count, wake = (statistics.median([v for v in col if v is not None] or [float("nan")])
-                                       for col in zip(*rows))
+                                       for col in list(zip(*rows))[:4])
             print(f"| {after} | {len(rows)} | {span:.1f} | {busy:.1f} | {count:.0f} | {span - busy:.1f} | {wake:.1f} |")
+    last = hand_offs(prof)["after a MoE layer"][-1:]
+    for *_, piece, start in last:  # the critical path in detail: which kernels, on which stream, when
+        print("\nthe last MoE layer after another, from the host's signal: us from it, us long, stream, kernel or copy")
+        for e in piece:
+            print(f"{e.time_range.start - start:7.1f} {e.time_range.end - e.time_range.start:6.1f} {e.thread:>4} "
+                  f"{e.name[:90]}")
 
 
 def main(argv=None):
