@@ -62,13 +62,13 @@ def print_hand_offs(prof):
     print("| MoE layer | layers | signal to inputs on host us | GPU busy us | kernels and copies | gaps us "
           "| host wakes us |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for after, rows in hand_offs(prof).items():
+    layers = hand_offs(prof)
+    for after, rows in layers.items():
         if rows:
             span, busy, count, wake = (statistics.median([v for v in col if v is not None] or [float("nan")])
                                        for col in list(zip(*rows))[:4])
             print(f"| {after} | {len(rows)} | {span:.1f} | {busy:.1f} | {count:.0f} | {span - busy:.1f} | {wake:.1f} |")
-    last = hand_offs(prof)["after a MoE layer"][-1:]
-    for *_, piece, start in last:  # the critical path in detail: which kernels, on which stream, when
+    for *_, piece, start in layers["after a MoE layer"][-1:]:  # the critical path in detail: which kernels, on which stream, when
         print("\nthe last MoE layer after another, from the host's signal: us from it, us long, stream, kernel or copy")
         for e in piece:
             print(f"{e.time_range.start - start:7.1f} {e.time_range.end - e.time_range.start:6.1f} {e.thread:>4} "
