@@ -67,8 +67,9 @@ def print_hand_offs(prof):
         if rows:
             span, busy, count, wake = (statistics.median([v for v in col if v is not None] or [float("nan")])
                                        for col in list(zip(*rows))[:4])
-            print(f"| {after} | {len(rows)} | {span:.1f} | {busy:.1f} | {count:.0f} | {span - busy:.1f} | {wake:.1f} |")
-    for *_, piece, start in layers["after a MoE layer"][-1:]:  # the critical path in detail: which kernels, on which stream, when
+            print(f"| {after} | {len(rows)} | {span:.1f} | {busy:.1f} | {count:.0f} | {span - busy:.1f} "
+                  f"| {wake:.1f} |")
+    for *_, piece, start in layers["after a MoE layer"][-1:]:  # the critical path in detail: which kernels, when
         print("\nthe last MoE layer after another, from the host's signal: us from it, us long, stream, kernel or copy")
         for e in piece:
             print(f"{e.time_range.start - start:7.1f} {e.time_range.end - e.time_range.start:6.1f} {e.thread:>4} "
