@@ -17,8 +17,7 @@ import torch
 from ..errors import Glm5Error
 from ..formats.kv_rows import FP8Keys
 from ..kernels import INTERPRET, dsa_triton, linear_triton, mla_absorb, rope_triton, topk_triton
-from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, RMSNorm, indexer_scores
-from ..model import mla
+from ..model import SCORE_BUDGET, Attention, Indexer, Linear, PooledIndexer, RMSNorm, indexer_scores, mla
 from ..model.pooled_indexer import last_complete_group
 from .linear_triton import QuantLinear
 from .reference import LAYOUT_KWARGS, AttentionOperator, IndexerOperator
