@@ -25,6 +25,9 @@ from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 
 
+TO_HOST = ("_stage_kernel", "Memcpy DtoH (Device -> Pinned)")  # what writes the experts' inputs to the host
+
+
 def busy_us(events) -> float:
     """The time any of events (device kernels and copies) runs: the union of their intervals."""
     total, end = 0.0, float("-inf")
@@ -36,10 +39,10 @@ def busy_us(events) -> float:
 
 def hand_offs(prof) -> dict[str, list[tuple]]:
     """Each MoE layer of the trace after a host signal (its graph piece starts with the signal's wait kernel): (us
-    from the wait's end to the last copy of the experts' inputs into pinned memory, the GPU's busy us and its kernels
-    and copies in that span, us until the host returned from its wait for them, those kernels and copies, the wait's
-    end), keyed by what came before the signal's wait: another MoE layer, or the step's end (head, sampling, the next
-    token's dense layers)."""
+    from the wait's end to the last write of the experts' inputs into pinned memory (TO_HOST), the GPU's busy us and
+    its kernels and copies in that span, us until the host returned from its wait for them, those kernels and
+    copies, the wait's end), keyed by what came before the signal's wait: another MoE layer, or the step's end (head,
+    sampling, the next token's dense layers)."""
     events = prof.events()
     gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     woke = sorted(e.time_range.end for e in events if e.name == "cudaEventSynchronize")
@@ -47,7 +50,7 @@ def hand_offs(prof) -> dict[str, list[tuple]]:
     out = {"after a MoE layer": [], "first of a step": []}
     for i, j in zip(waits, waits[1:]):
         inside = gpu[i + 1:j]
-        copies = [k for k, e in enumerate(inside) if e.name == "Memcpy DtoH (Device -> Pinned)"]
+        copies = [k for k, e in enumerate(inside) if e.name in TO_HOST]
         if not copies:
             continue
         piece, ready = inside[:copies[-1] + 1], inside[copies[-1]].time_range.end

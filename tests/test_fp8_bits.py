@@ -67,7 +67,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_rows as g, linear_triton as l
 from glm5_offload.kernels import mla_absorb as a, rmsnorm_triton as n, rope_triton as p, router_triton as r
-from glm5_offload.kernels import host_signal as w, hot_rows as h, topk_triton as t
+from glm5_offload.kernels import host_signal as w, host_stage as s, hot_rows as h, topk_triton as t
 
 K = lambda names: {n: "constexpr" for n in names.split()}
 fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16",
@@ -181,6 +181,9 @@ KERNELS = [
                       "M": "i32", "stride_s": "i32", "stride_m": "i32", **K("D HALF REST BLOCK_R INTERLEAVED BF16")},
      dict(D=128, HALF=32, REST=64, BLOCK_R=64, INTERLEAVED=True, BF16=True)),
     (w._wait_kernel, {"given_ptr": "*i64", "waited_ptr": "*i64"}, {}),
+    (s._stage_kernel, {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "x_host_ptr": "*fp32",
+                       "ids_host_ptr": "*i64", "w_host_ptr": "*fp32", "N": "i32", "K": "i32", **K("BLOCK BLOCK_K")},
+     dict(BLOCK=8192, BLOCK_K=8)),
 ]
 NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
@@ -212,4 +215,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "41 kernels" in proc.stdout
+    assert "42 kernels" in proc.stdout

@@ -16,12 +16,12 @@ def event(name, start, end, device=DeviceType.CUDA):
     return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device, thread=7)
 
 
-TO_HOST = "Memcpy DtoH (Device -> Pinned)"
+STAGE, TO_HOST = "_stage_kernel", "Memcpy DtoH (Device -> Pinned)"  # the experts' inputs by kernel, or by copies
 TRACE = [  # us; the host's waits for the experts' inputs are cudaEventSynchronize calls
     event("attention", 0, 50), event(TO_HOST, 52, 54), event("shared expert", 55, 60),
     event("cudaEventSynchronize", 10, 57, DeviceType.CPU),
     event("_wait_kernel", 56, 300),  # the second MoE layer after the first one's experts
-    event("norm", 302, 310), event("side", 305, 320), event("attention", 325, 400), event(TO_HOST, 401, 403),
+    event("norm", 302, 310), event("side", 305, 320), event("attention", 325, 400), event(STAGE, 401, 403),
     event("shared expert", 404, 410), event("cudaEventSynchronize", 320, 408, DeviceType.CPU),
     event("_wait_kernel", 405, 700),  # the step's end: head, sampling, the next token's first MoE layer
     event("lm_head", 701, 750), event("Memcpy DtoH (Device -> Pageable)", 751, 752), event("attention", 800, 850),
@@ -40,7 +40,7 @@ def test_each_moe_layer_after_a_signal_is_timed_to_its_inputs_on_the_host():
     (after,), (first,) = layers["after a MoE layer"], layers["first of a step"]
     span, busy, count, wake, piece, start = after
     assert (span, busy, count, wake, start) == (103, 95, 4, 5, 300)  # 300 -> 403; 302-320, 325-400, 401-403
-    assert [e.name for e in piece] == ["norm", "side", "attention", TO_HOST]
+    assert [e.name for e in piece] == ["norm", "side", "attention", STAGE]
     assert first[:4] == (153, 102, 4, 2)  # 700 -> 853: the head, the sampling's copy, the first layer's work
 
 
@@ -53,4 +53,4 @@ def test_the_printed_table_has_each_kind_of_layer_and_the_last_piece_kernel_by_k
                                "kernel or copy") + 1:]
     assert [line.split()[:3] for line in listed] == [["2.0", "8.0", "7"], ["5.0", "15.0", "7"],
                                                      ["25.0", "75.0", "7"], ["101.0", "2.0", "7"]]
-    assert [line.split(maxsplit=3)[3] for line in listed] == ["norm", "side", "attention", TO_HOST]
+    assert [line.split(maxsplit=3)[3] for line in listed] == ["norm", "side", "attention", STAGE]

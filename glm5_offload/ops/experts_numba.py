@@ -31,7 +31,7 @@ from torch import nn
 from ..disk_store import DiskStore
 from ..errors import Glm5Error
 from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
-from ..kernels import experts_triton, moe_cpu
+from ..kernels import experts_triton, host_stage, moe_cpu
 from ..kernels.host_read import read_sum
 from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
@@ -303,14 +303,17 @@ class NumbaExperts(nn.Module):
 
     @staticmethod
     def _to_host(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, prefix: str = "") -> list[torch.Tensor]:
-        """x (fp32), ids and weights queued to the pinned host buffers named `prefix` + x, ids, w (as they are, from
-        the CPU)."""
+        """x (fp32), ids and weights queued to the pinned host buffers named `prefix` + x, ids, w, by one kernel (as
+        they are, from the CPU)."""
         if not x.is_cuda:
             return [x.float(), ids, weights.float()]
         host = [pinned(prefix + n, t.shape, dt) for n, t, dt in
                 (("x", x, torch.float32), ("ids", ids, torch.int64), ("w", weights, torch.float32))]
-        for buf, t in zip(host, (x, ids, weights)):
-            buf.copy_(t, non_blocking=True)
+        if ids.device == weights.device == x.device:
+            host_stage.stage(x, ids, weights, *host)
+        else:  # a router that a rule file placed elsewhere: its outputs copied as they are
+            for buf, t in zip(host, (x, ids, weights)):
+                buf.copy_(t, non_blocking=True)
         return host
 
     def _cpu_half(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int], pairs: int,
