@@ -68,6 +68,7 @@ from triton.compiler import ASTSource
 from glm5_offload.kernels import dsa_triton as d, experts_triton as e, gather_rows as g, linear_triton as l
 from glm5_offload.kernels import mla_absorb as a, rmsnorm_triton as n, rope_triton as p, router_triton as r
 from glm5_offload.kernels import host_signal as w, host_stage as s, hot_rows as h, topk_triton as t
+from glm5_offload.kernels import experts_from_host as x
 
 K = lambda names: {n: "constexpr" for n in names.split()}
 fp8_linear = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*bf16",
@@ -184,6 +185,11 @@ KERNELS = [
     (s._stage_kernel, {"x_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*fp32", "x_host_ptr": "*fp32",
                        "ids_host_ptr": "*i64", "w_host_ptr": "*fp32", "N": "i32", "K": "i32", **K("BLOCK BLOCK_K")},
      dict(BLOCK=8192, BLOCK_K=8)),
+    *((x._rows_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": w_type, "values_ptr": values,
+                        "scales_ptr": "*fp32", "out_ptr": "*fp32", "first": "i32", "slots": "i32", "R": "i32",
+                        "K": "i32", **K("FMT G NG BLOCK_R SUM")}, dict(FMT=fmt, G=128, NG=ng, BLOCK_R=8, SUM=summed))
+      for fmt, values, ng, w_type, summed in ((2, "*u8", 8, "*fp32", False), (1, "*i8", 4, "*bf16", True),
+                                              (0, "*i16", 2, "*fp32", True))),
 ]
 NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
@@ -215,4 +221,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "42 kernels" in proc.stdout
+    assert "45 kernels" in proc.stdout

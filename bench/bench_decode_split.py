@@ -1,0 +1,192 @@
+"""A decode token's routed experts split between the CPU cores and the GPU reading host memory, the case for giving
+the GPU a share of decode's experts: one MoE layer of a real model's dims, the last n of the token's top-k on the GPU
+(kernels/experts_from_host.py, replayed from a CUDA graph as decode runs it) beside the first top-k - n on the cores,
+against n = 0 (the cores alone: today's decode) and the ceilings measured in the same run: the cores' read of host
+memory and the GPU's copy of pinned host memory.
+
+    PYTHONPATH=.:bench python3 bench/bench_decode_split.py [--preset glm-5] [--experts 64] [--gpu 0,1,2,3,4]
+        [--format int4] [--runs 40] [--tiles 8x4,16x4,16x8,32x8]
+
+Each token routes to fresh random experts of the layer (64 by default: 1.3 GB of GLM-5 int4, far past the caches),
+int8 activations as the shipped rules take them. Per n, the median token of `runs`: the cores' part alone, the GPU's
+part alone, and both at once (the GPU's graph launched, then the cores' part on this thread, then a wait for the GPU);
+the token's experts' bytes over that time, its ratio to n = 0 and to the cores' read ceiling. --tiles times the GPU's
+part (3 experts) alone at each of the kernel's (rows, warps) per program.
+"""
+
+import argparse
+import os
+import time
+
+import numba
+import numpy as np
+import torch
+
+import bench_experts
+from glm5_offload.kernels import experts_from_host, moe_cpu
+from glm5_offload.kernels.host_read import read_bandwidth_gb_s
+from glm5_offload.ops.expert_ring import page_locked
+
+GROUP = 128
+
+
+def pinned_copy_gb_s(n_bytes: int = 1 << 30) -> float:
+    """The copy engine's host-to-device rate from pinned memory: the GPU's read of host memory over its bus."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return 5 * n_bytes / start.elapsed_time(end) / 1e6
+
+
+class GpuPart:
+    """The last n slots of a token from host memory, captured in a CUDA graph over static choice tensors."""
+
+    def __init__(self, layer, fmt, n, top_k):
+        self.x = torch.randn(1, bench_experts.HIDDEN, device="cuda")
+        self.ids = torch.zeros(1, top_k, dtype=torch.int64, device="cuda")
+        self.weights = torch.rand(1, top_k, device="cuda")
+        matrices = tuple(experts_from_host.host_tensor(a) if a.size else None for a in layer)
+        run = lambda: experts_from_host.routed_from_host(self.x, self.ids, self.weights, top_k - n,  # noqa: E731
+                                                         matrices, fmt, GROUP, True, None)
+        run()  # compiled
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = run()
+
+    def choose(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray):
+        for dst, src in ((self.x, x), (self.ids, ids), (self.weights, weights)):
+            dst.copy_(torch.from_numpy(src))
+        torch.cuda.synchronize()
+
+
+def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
+    """Median seconds per token of the cores' part, the GPU's part and both at once; the split's sum against the
+    cores' alone over all top_k slots (relative error, the first token)."""
+    gpu = GpuPart(layer, fmt, n, top_k) if n else None
+    def cores(x, ids, w):
+        first = (np.ascontiguousarray(a[:, :top_k - n]) for a in (ids, w))
+        return moe_cpu.moe_forward(fmt, GROUP, *layer, x, *first, act_int8=True)
+
+    times = {"cores": [], "gpu": [], "both": []}
+    error = None
+    for i in range(runs + 1):  # the first compiles or warms: left out
+        x = rng.standard_normal((1, bench_experts.HIDDEN), np.float32)
+        ids = rng.permutation(experts)[:top_k][None].astype(np.int64)
+        w = rng.random((1, top_k), np.float32)
+        if gpu:
+            gpu.choose(x, ids, w)
+        t0 = time.perf_counter()
+        if gpu:
+            gpu.graph.replay()
+        part = cores(x, ids, w)
+        torch.cuda.synchronize()
+        both = time.perf_counter() - t0
+        if error is None and gpu:
+            whole = moe_cpu.moe_forward(fmt, GROUP, *layer, x, ids, w, act_int8=True)
+            got = part + gpu.out.cpu().numpy()
+            error = float(np.linalg.norm(got - whole) / np.linalg.norm(whole))
+        ids = rng.permutation(experts)[:top_k][None].astype(np.int64)  # alone: fresh experts again
+        t0 = time.perf_counter()
+        cores(x, ids, w)
+        alone = time.perf_counter() - t0
+        gpu_alone = 0.0
+        if gpu:
+            gpu.choose(x, rng.permutation(experts)[:top_k][None].astype(np.int64), w)
+            t0 = time.perf_counter()
+            gpu.graph.replay()
+            torch.cuda.synchronize()
+            gpu_alone = time.perf_counter() - t0
+        if i:
+            for key, t in (("cores", alone), ("gpu", gpu_alone), ("both", both)):
+                times[key].append(t)
+    return {**{k: sorted(v)[len(v) // 2] for k, v in times.items()}, "error": error}
+
+
+def tile_sweep(layer, fmt, experts, top_k, tiles, runs, rng) -> list[tuple]:
+    """The GPU's part of 3 slots alone at each (rows, warps) per program: median ms and GB/s."""
+    rows = []
+    shipped = experts_from_host.TILE
+    try:
+        for tile in tiles:
+            experts_from_host.TILE = tile
+            gpu = GpuPart(layer, fmt, 3, top_k)
+            seconds = []
+            for _ in range(runs):
+                x = rng.standard_normal((1, bench_experts.HIDDEN), np.float32)
+                ids = rng.permutation(experts)[:top_k][None].astype(np.int64)
+                gpu.choose(x, ids, rng.random((1, top_k), np.float32))
+                t0 = time.perf_counter()
+                gpu.graph.replay()
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - t0)
+            ms = sorted(seconds)[len(seconds) // 2] * 1e3
+            rows.append((tile, ms, 3 * bench_experts.expert_bytes(layer, 0) / ms / 1e6))
+    finally:
+        experts_from_host.TILE = shipped
+    return rows
+
+
+def tiles(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tiles are ROWSxWARPS, comma-separated (8x4,16x8), got {text!r}") from None
+    if any(len(t) != 2 or min(t) < 1 for t in out):
+        raise argparse.ArgumentTypeError(f"tiles are ROWSxWARPS, comma-separated (8x4,16x8), got {text!r}")
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="glm-5", help="the layer's dims: a shipped preset or a config.json")
+    parser.add_argument("--experts", type=int, default=64, help="routed experts held (fresh ones each token)")
+    parser.add_argument("--format", default="int4", choices=["int8", "int4"])
+    parser.add_argument("--gpu", default="0,1,2,3,4", help="the slots of a token the GPU runs, each count in turn")
+    parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--tiles", type=tiles, default=[], help="ROWSxWARPS per program of the GPU's kernel to time")
+    args = parser.parse_args(argv)
+    bench_experts.use_preset(args.preset)
+    top_k = bench_experts.TOP_K
+    counts = [int(n) for n in args.gpu.split(",")]
+    if any(not 0 <= n < top_k for n in counts):
+        parser.error(f"--gpu counts must be 0 .. {top_k - 1} (the cores keep one), got {args.gpu}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_split.py needs a CUDA GPU (the GPU reads the experts from host memory)")
+    layer = bench_experts.random_layer(args.format, args.experts, GROUP)
+    if not all(page_locked(a) for a in layer if a.size):
+        raise SystemExit("the layer's host memory could not be page-locked for the GPU")
+    rng = np.random.default_rng(2)
+    read, bus = read_bandwidth_gb_s(), pinned_copy_gb_s()
+    token_bytes = top_k * bench_experts.expert_bytes(layer, 0)
+    print(f"{args.preset} layer, {args.format}/g{GROUP} + int8 activations, {args.experts} experts held, "
+          f"{token_bytes / 1e6:.1f} MB a token; cores' read {read:.1f} GB/s ({numba.get_num_threads()} threads of "
+          f"{os.cpu_count()} cores), the GPU's pinned copy {bus:.1f} GB/s; {torch.cuda.get_device_name()}", flush=True)
+    print("\n| GPU's slots | cores' part ms | GPU's part ms | both ms | GB/s of the token | x of the cores alone | "
+          "of the cores' read | of cores + bus | error vs cores alone |\n| --- | --- | --- | --- | --- | --- | --- | "
+          "--- | --- |")
+    base = None  # n = 0's time, where asked
+    for n in counts:
+        t = token_times(layer, args.format, n, args.experts, top_k, args.runs, rng)
+        both = t["both"] if n else t["cores"]
+        base = both if n == 0 else base
+        gb_s = token_bytes / both / 1e9
+        ratio = f"{base / both:.2f}x" if base else "-"
+        error = "-" if t["error"] is None else f"{t['error']:.1e}"
+        print(f"| {n} | {t['cores'] * 1e3:.3f} | {t['gpu'] * 1e3:.3f} | {both * 1e3:.3f} | {gb_s:.1f} | {ratio} | "
+              f"{gb_s / read:.0%} | {gb_s / (read + bus):.0%} | {error} |", flush=True)
+    if args.tiles:
+        print("\n| rows x warps a program | GPU's part (3 experts) ms | GB/s | of the pinned copy |\n| --- | --- | --- "
+              "| --- |")
+        for (r, w), ms, gb_s in tile_sweep(layer, args.format, args.experts, top_k, args.tiles, args.runs, rng):
+            print(f"| {r} x {w} | {ms:.3f} | {gb_s:.1f} | {gb_s / bus:.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
