@@ -413,7 +413,7 @@ def test_a_locked_map_is_unlocked_as_it_is_freed(tmp_path, monkeypatch):
 
     class Runtime:
         def cudaHostRegister(self, start, size, flags):
-            calls.append(("register", start.value, size.value))
+            calls.append(("register", start.value, size.value, flags.value))
             return 0
 
         def cudaHostUnregister(self, start):
@@ -432,6 +432,7 @@ def test_a_locked_map_is_unlocked_as_it_is_freed(tmp_path, monkeypatch):
         assert page_locked(array) and page_locked(array)  # locked once
         assert [c[0] for c in calls] == ["register"] and calls[0][1] == address // 4096 * 4096
         assert (calls[0][1] + calls[0][2]) % 4096 == 0 and calls[0][1] + calls[0][2] >= address + array.nbytes
+        assert calls[0][3] == 8 | 2  # read-only for the GPU, mapped: its kernels read it in place too
         del array
         gc.collect()
         assert calls[-1] == ("unregister", calls[0][1]) and address not in expert_ring._locked

@@ -32,6 +32,7 @@ PINNED = 3  # host staging buffers
 _ALIGN = 256
 _PAGE = 4096
 _READ_ONLY = 8  # cudaHostRegisterReadOnly: the cache is mapped read-only
+_MAPPED = 2  # cudaHostRegisterMapped: kernels read it in place too (kernels/experts_from_host.py)
 
 _rings: dict[tuple, "ExpertRing"] = {}
 _locked: dict[int, bool] = {}  # a memory map's address -> whether CUDA page-locked it
@@ -61,7 +62,7 @@ def page_locked(array: np.ndarray) -> bool:
             start = address // _PAGE * _PAGE
             size = -(-(address + array.nbytes) // _PAGE) * _PAGE - start
             err = -1 if runtime is None else runtime.cudaHostRegister(ctypes.c_void_p(start), ctypes.c_size_t(size),
-                                                                      ctypes.c_uint(_READ_ONLY))
+                                                                      ctypes.c_uint(_READ_ONLY | _MAPPED))
             if err and runtime is not None:
                 runtime.cudaGetLastError()
             if err:
