@@ -5,13 +5,13 @@ against n = 0 (the cores alone: today's decode) and the ceilings measured in the
 memory and the GPU's copy of pinned host memory.
 
     PYTHONPATH=.:bench python3 bench/bench_decode_split.py [--preset glm-5] [--experts 64] [--gpu 0,1,2,3,4]
-        [--format int4] [--runs 40] [--tiles 8x4,16x4,16x8,32x8]
+        [--format int4] [--runs 40] [--tiles 8x4x512,16x4x512,16x8x1024]
 
 Each token routes to fresh random experts of the layer (64 by default: 1.3 GB of GLM-5 int4, far past the caches),
 int8 activations as the shipped rules take them. Per n, the median token of `runs`: the cores' part alone, the GPU's
 part alone, and both at once (the GPU's graph launched, then the cores' part on this thread, then a wait for the GPU);
 the token's experts' bytes over that time, its ratio to n = 0 and to the cores' read ceiling. --tiles times the GPU's
-part (3 experts) alone at each of the kernel's (rows, warps) per program.
+part (3 experts) alone at each of the kernel's (rows, warps, a row's bytes read at once) per program.
 """
 
 import argparse
@@ -110,7 +110,7 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
 
 
 def tile_sweep(layer, fmt, experts, top_k, tiles, runs, rng) -> list[tuple]:
-    """The GPU's part of 3 slots alone at each (rows, warps) per program: median ms and GB/s."""
+    """The GPU's part of 3 slots alone at each (rows, warps, span bytes) per program: median ms and GB/s."""
     rows = []
     shipped = experts_from_host.TILE
     try:
@@ -133,13 +133,16 @@ def tile_sweep(layer, fmt, experts, top_k, tiles, runs, rng) -> list[tuple]:
     return rows
 
 
-def tiles(text: str) -> list[tuple[int, int]]:
+def tiles(text: str) -> list[tuple[int, int, int]]:
+    """ROWSxWARPSxSPAN,...: powers of two, a span of 64 bytes or more."""
+    bad = argparse.ArgumentTypeError(f"tiles are ROWSxWARPSxSPAN (powers of two; SPAN bytes, at least 64), "
+                                     f"comma-separated (8x4x512,16x8x1024), got {text!r}")
     try:
         out = [tuple(int(v) for v in t.split("x")) for t in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"tiles are ROWSxWARPS, comma-separated (8x4,16x8), got {text!r}") from None
-    if any(len(t) != 2 or min(t) < 1 for t in out):
-        raise argparse.ArgumentTypeError(f"tiles are ROWSxWARPS, comma-separated (8x4,16x8), got {text!r}")
+        raise bad from None
+    if any(len(t) != 3 or min(t) < 1 or any(v & (v - 1) for v in t) or t[2] < 64 for t in out):
+        raise bad
     return out
 
 
@@ -150,7 +153,8 @@ def main(argv=None):
     parser.add_argument("--format", default="int4", choices=["int8", "int4"])
     parser.add_argument("--gpu", default="0,1,2,3,4", help="the slots of a token the GPU runs, each count in turn")
     parser.add_argument("--runs", type=int, default=40)
-    parser.add_argument("--tiles", type=tiles, default=[], help="ROWSxWARPS per program of the GPU's kernel to time")
+    parser.add_argument("--tiles", type=tiles, default=[],
+                        help="ROWSxWARPSxSPAN per program of the GPU's kernel to time (span: a row's bytes at once)")
     args = parser.parse_args(argv)
     bench_experts.use_preset(args.preset)
     top_k = bench_experts.TOP_K
@@ -182,10 +186,11 @@ def main(argv=None):
         print(f"| {n} | {t['cores'] * 1e3:.3f} | {t['gpu'] * 1e3:.3f} | {both * 1e3:.3f} | {gb_s:.1f} | {ratio} | "
               f"{gb_s / read:.0%} | {gb_s / (read + bus):.0%} | {error} |", flush=True)
     if args.tiles:
-        print("\n| rows x warps a program | GPU's part (3 experts) ms | GB/s | of the pinned copy |\n| --- | --- | --- "
-              "| --- |")
-        for (r, w), ms, gb_s in tile_sweep(layer, args.format, args.experts, top_k, args.tiles, args.runs, rng):
-            print(f"| {r} x {w} | {ms:.3f} | {gb_s:.1f} | {gb_s / bus:.0%} |", flush=True)
+        print("\n| rows x warps x span bytes a program | GPU's part (3 experts) ms | GB/s | of the pinned copy |\n"
+              "| --- | --- | --- | --- |")
+        for (r, w, span), ms, gb_s in tile_sweep(layer, args.format, args.experts, top_k, args.tiles, args.runs,
+                                                 rng):
+            print(f"| {r} x {w} x {span} | {ms:.3f} | {gb_s:.1f} | {gb_s / bus:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

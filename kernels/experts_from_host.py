@@ -26,8 +26,9 @@ from . import INTERPRET
 from .experts_triton import round_activations, swiglu
 
 FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
-SPAN_BYTES = 512  # a row's bytes a program reads at once
-TILE = (8, 4)  # a program's rows and warps on a GPU (bench/bench_decode_split.py --tiles sweeps them)
+BITS = {"bf16": 16, "int8": 8, "int4": 4}
+# on a GPU, a program's rows, its warps and the bytes of a row it reads at once (bench_decode_split.py --tiles)
+TILE = (8, 4, 512)
 
 
 @triton.jit
@@ -95,8 +96,9 @@ def _rows(x, ids, weights, values, scales, out, first, slots, fmt, group, summed
     R, K = values.shape[1], x.shape[-1]
     if fmt == "bf16":  # no scales: any power of two dividing the inputs spans them
         group = math.gcd(K, 128)
-    ng = max(1, SPAN_BYTES * 8 // (group * (4 if fmt == "int4" else 8 if fmt == "int8" else 16)))
-    block_r, warps = (64, 4) if INTERPRET else TILE  # the interpreter's cost is per program
+    block_r, warps, span = TILE
+    block_r = 64 if INTERPRET else block_r  # the interpreter's cost is per program
+    ng = max(1, span * 8 // (group * BITS[fmt]))  # groups a program reads of a row at once
     grid = (triton.cdiv(R, block_r), 1 if summed else slots)
     _rows_kernel[grid](x, ids, weights, values, values if scales is None else scales, out, first, slots, R, K,
                        FMT=FORMATS[fmt], G=group, NG=triton.next_power_of_2(ng), BLOCK_R=block_r, SUM=summed,
