@@ -70,6 +70,7 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
     """Median seconds per token of the cores' part, the GPU's part and both at once; the split's sum against the
     cores' alone over all top_k slots (relative error, the first token)."""
     gpu = GpuPart(layer, fmt, n, top_k) if n else None
+
     def cores(x, ids, w):
         first = (np.ascontiguousarray(a[:, :top_k - n]) for a in (ids, w))
         return moe_cpu.moe_forward(fmt, GROUP, *layer, x, *first, act_int8=True)

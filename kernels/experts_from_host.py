@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.int_groups import BITS
 from . import INTERPRET
 from .experts_triton import round_activations, swiglu
 
 FORMATS = {"bf16": 0, "int8": 1, "int4": 2}
-BITS = {"bf16": 16, "int8": 8, "int4": 4}
 # on a GPU, a program's rows, its warps and the bytes of a row it reads at once (bench_decode_split.py --tiles)
 TILE = (8, 4, 512)
 
