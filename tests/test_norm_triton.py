@@ -121,6 +121,20 @@ def test_the_operator_module_adds_in_the_kernel_and_without_addends_only_norms()
     assert same_x is x and rel_err(normed, alone) < 4e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_addend_on_another_device_takes_the_reference_path():
+    """A sublayer a rule placed on the CPU (a shared expert's output, fp32) beside the GPU's residual stream: the
+    reference's add (each part moved to x's device) and norm, not the kernel, which reads only x's device."""
+    norm, g = make_norm(128, torch.bfloat16, seed=7)
+    x, on_gpu = (torch.randn(3, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    on_cpu = torch.randn(3, 128, generator=g)
+    want_x, want = RMSNorm.add_forward(norm, x, (on_cpu, on_gpu))
+    norm.__class__ = TritonRMSNorm
+    got_x, got = norm.add_forward(x, (on_cpu, on_gpu))
+    assert got_x.device == x.device and torch.equal(got_x, want_x) and torch.equal(got, want)
+
+
 def test_a_model_whose_norms_add_the_residual_gives_the_reference_logits(tiny_dir):
     """The tiny GLM-5 (a dense layer, MoE layers with a shared expert) with every norm swapped for norm.triton's
     module, which adds each sublayer's pending output (the attention's; the routed experts' and the shared expert's)
