@@ -19,10 +19,11 @@ E, K = 6, 8  # experts, slots a token routes to
 
 
 def packed_experts(fmt, group, hidden, inter, seed):
+    """w13, s13, w2, s2 as the CPU holds them; on a GPU page-locked, as the engine's (the interpreter reads any)."""
     g = torch.Generator().manual_seed(seed)
     w13 = int_groups.quantize(torch.randn(E, 2 * inter, hidden, generator=g) / hidden**0.5, fmt, group)
     w2 = int_groups.quantize(torch.randn(E, hidden, inter, generator=g) / inter**0.5, fmt, group)
-    return (*w13, *w2)
+    return tuple(locked(a) if DEVICE == "cuda" and a.size else a for a in (*w13, *w2))
 
 
 def token(hidden, seed, device, w_dtype=torch.float32):
@@ -85,7 +86,7 @@ def test_a_nan_input_gives_nan_as_the_reference_does_and_bad_calls_say_what():
 
 
 def locked(array: np.ndarray) -> np.ndarray:
-    """A copy of array in an anonymous mapping of its own, page-locked for the GPU."""
+    """A copy of array in an anonymous mapping of its own, page-locked for the GPU (kernels read it in place)."""
     region = mmap.mmap(-1, array.nbytes)
     out = np.frombuffer(region, array.dtype, array.size).reshape(array.shape)
     out[...] = array
@@ -96,7 +97,7 @@ def locked(array: np.ndarray) -> np.ndarray:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_from_page_locked_host_memory_in_a_graph():
-    arrays = tuple(locked(a) for a in packed_experts("int4", 128, 512, 256, 1))
+    arrays = packed_experts("int4", 128, 512, 256, 1)
     x, ids, weights = token(512, 0, "cuda")
     got = routed_from_host(x, ids, weights, 5, matrices(arrays, "int4"), "int4", 128, True, None)
     close(got, reference(x, ids, weights, 5, arrays, "int4", 128, True, None))
