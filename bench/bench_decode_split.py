@@ -23,25 +23,12 @@ import numpy as np
 import torch
 
 import bench_experts
+import ceilings
 from glm5_offload.kernels import experts_from_host, moe_cpu
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 from glm5_offload.ops.expert_ring import page_locked
 
 GROUP = 128
-
-
-def pinned_copy_gb_s(n_bytes: int = 1 << 30) -> float:
-    """The copy engine's host-to-device rate from pinned memory: the GPU's read of host memory over its bus."""
-    src = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return 5 * n_bytes / start.elapsed_time(end) / 1e6
 
 
 class GpuPart:
@@ -168,7 +155,7 @@ def main(argv=None):
     if not all(page_locked(a) for a in layer if a.size):
         raise SystemExit("the layer's host memory could not be page-locked for the GPU")
     rng = np.random.default_rng(2)
-    read, bus = read_bandwidth_gb_s(), pinned_copy_gb_s()
+    read, bus = read_bandwidth_gb_s(), ceilings.pinned_h2d_gb_s()
     token_bytes = top_k * bench_experts.expert_bytes(layer, 0)
     print(f"{args.preset} layer, {args.format}/g{GROUP} + int8 activations, {args.experts} experts held, "
           f"{token_bytes / 1e6:.1f} MB a token; cores' read {read:.1f} GB/s ({numba.get_num_threads()} threads of "

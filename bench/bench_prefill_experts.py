@@ -47,13 +47,6 @@ import ceilings
 HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8  # GLM-5's; --preset sets another model's (main)
 
 
-def pinned_h2d_gb_s() -> float:
-    """The copy speed of 1 GiB from pinned host memory to the GPU."""
-    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    return (1 << 30) / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
-
-
 def stored_layer(args) -> dict[str, np.ndarray]:
     """A random layer in the CPU format, written to a safetensors file and read back as experts_numba's store is."""
     v13, s13, v2, s2 = bench_experts.random_layer(args.format, EXPERTS, args.group)
@@ -105,7 +98,7 @@ def main(argv=None):
     cuda = torch.cuda.is_available()
     h2d = None
     if cuda:
-        h2d = pinned_h2d_gb_s()
+        h2d = ceilings.pinned_h2d_gb_s()
         w13 = torch.from_numpy(v13[0])  # one expert's packed w13 into a pinned buffer, as the GPU path stages it
         pinned = torch.empty(w13.shape, dtype=w13.dtype).pin_memory()
 
@@ -226,7 +219,7 @@ def sequence(arrays: dict, args) -> list[dict]:
     """Layers in turn on one chunk (see the module's docstring): the same random weights, a layer object each,
     so each layer's experts move again as they would from their own memory."""
     layer_bytes = sum(a.nbytes for a in arrays.values())
-    h2d = pinned_h2d_gb_s()
+    h2d = ceilings.pinned_h2d_gb_s()
     ceiling_ms = layer_bytes / h2d / 1e6
     x = torch.randn(args.tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(args.tokens, EXPERTS, device="cuda").argsort(dim=1)[:, :TOP_K].contiguous()

@@ -56,12 +56,6 @@ def rules_file(path: Path, kv_dtype: str, offload: bool = True, hot_budget: str 
     return path
 
 
-def pinned_h2d_gb_s(n_bytes: int = 1 << 30) -> float:
-    src = torch.empty(n_bytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    return n_bytes / ceilings.time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
-
-
 def gather_gb_s(row_bytes: int, n_rows: int = 1 << 20, k: int = 2048) -> tuple[float, float]:
     """2048 random rows of a 1M-row pinned host table into a GPU buffer: zero-copy Triton gather (replayed from a
     CUDA graph), and the staged alternative (indices to the host, CPU gather into pinned memory, one copy)."""
@@ -154,7 +148,7 @@ def main(argv=None):
     parser.add_argument("--equality-only", action="store_true", help="only the tiered == untiered check")
     args = parser.parse_args(argv)
     torch.cuda.set_per_process_memory_fraction(GPU_CAP / torch.cuda.get_device_properties(0).total_memory)
-    h2d = pinned_h2d_gb_s()
+    h2d = ceilings.pinned_h2d_gb_s()
     row_bytes = 656 if args.kv_dtype == "fp8" else 1152
     zero_copy, staged = gather_gb_s(row_bytes)
     results = {"pinned_h2d_gb_s": h2d, "row_bytes": row_bytes, "gather_zero_copy_gb_s": zero_copy,

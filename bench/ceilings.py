@@ -52,6 +52,13 @@ def hbm_copy_gb_s(n_bytes: int = 4 << 30) -> float:
     return 2 * n_bytes / ms / 1e6
 
 
+def pinned_h2d_gb_s(n_bytes: int = 1 << 30) -> float:
+    """The copy engine's speed from pinned host memory to the GPU: the GPU's read of host memory over its bus."""
+    src = torch.empty(n_bytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    return n_bytes / time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
+
+
 def bf16_matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
