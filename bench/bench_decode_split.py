@@ -38,7 +38,7 @@ class GpuPart:
         self.x = torch.randn(1, bench_experts.HIDDEN, device="cuda")
         self.ids = torch.zeros(1, top_k, dtype=torch.int64, device="cuda")
         self.weights = torch.rand(1, top_k, device="cuda")
-        matrices = tuple(experts_from_host.host_tensor(a) if a.size else None for a in layer)
+        matrices = experts_from_host.host_matrices(*layer)
         run = lambda: experts_from_host.routed_from_host(self.x, self.ids, self.weights, top_k - n,  # noqa: E731
                                                          matrices, fmt, GROUP, True, None)
         run()  # compiled

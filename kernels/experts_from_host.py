@@ -87,9 +87,11 @@ def _rows_kernel(x_ptr, ids_ptr, w_ptr, values_ptr, scales_ptr, out_ptr, first, 
     tl.store(out_ptr + (0 if SUM else j0 * R) + r, total, mask=r_ok)
 
 
-def host_tensor(array: np.ndarray) -> torch.Tensor:
-    """A packed array as a tensor over the same memory (bf16 bit patterns as int16, which Triton reads anywhere)."""
-    return torch.from_numpy(array.view(np.int16) if array.dtype == np.uint16 else array)
+def host_matrices(w13: np.ndarray, s13: np.ndarray, w2: np.ndarray, s2: np.ndarray) -> tuple:
+    """A layer's packed arrays as routed_from_host takes them: tensors over the same memory (bf16 bit patterns as
+    int16, which Triton reads anywhere), None for bf16's empty scales."""
+    return tuple(torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a) if a.size else None
+                 for a in (w13, s13, w2, s2))
 
 
 def _rows(x, ids, weights, values, scales, out, first, slots, fmt, group, summed):
@@ -110,7 +112,7 @@ def routed_from_host(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
                      group: int, act_int8: bool, limit: float | None) -> torch.Tensor:
     """One token's routed experts of slots first .. k - 1, on x's device: x [1, H], ids / weights [1, k] (int64 /
     any float) on it; matrices (w13 [E, 2I, H packed], s13, w2 [E, H, I packed], s2; scales None for bf16) as
-    host_tensor gives them, in memory the device reads (page-locked host memory; any under the interpreter)
+    host_matrices gives them, in memory the device reads (page-locked host memory; any under the interpreter)
     -> [1, H] fp32 = sum over those slots s of weights[s] * expert_ids[s](x): gate and up, SwiGLU (clamped by limit
     where given), down."""
     if fmt not in FORMATS:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from glm5_offload.formats import int_groups
-from glm5_offload.kernels.experts_from_host import host_tensor, routed_from_host
+from glm5_offload.kernels.experts_from_host import host_matrices, routed_from_host
 from glm5_offload.model import swiglu
 from glm5_offload.ops.expert_ring import page_locked
 
@@ -48,11 +48,6 @@ def reference(x, ids, weights, first, arrays, fmt, group, act_int8, limit):
     return out
 
 
-def matrices(arrays, fmt):
-    w13, s13, w2, s2 = (host_tensor(a) for a in arrays)
-    return (w13, None, w2, None) if fmt == "bf16" else (w13, s13, w2, s2)
-
-
 def close(got, want):
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
@@ -69,7 +64,7 @@ def test_the_last_slots_equal_the_reference(fmt, group, hidden, inter, act_int8,
         pytest.skip("int8 activations need an integer format")
     arrays = packed_experts(fmt, group, hidden, inter, hidden + inter)
     x, ids, weights = token(hidden, first, DEVICE, torch.bfloat16 if first == 3 else torch.float32)
-    got = routed_from_host(x, ids, weights, first, matrices(arrays, fmt), fmt, group, act_int8, limit)
+    got = routed_from_host(x, ids, weights, first, host_matrices(*arrays), fmt, group, act_int8, limit)
     close(got, reference(x, ids, weights, first, arrays, fmt, group, act_int8, limit))
 
 
@@ -77,12 +72,12 @@ def test_a_nan_input_gives_nan_as_the_reference_does_and_bad_calls_say_what():
     arrays = packed_experts("int4", 32, 352, 96, 0)
     x, ids, weights = token(352, 0, DEVICE)
     x[0, 7] = float("nan")
-    got = routed_from_host(x, ids, weights, 6, matrices(arrays, "int4"), "int4", 32, False, None)
+    got = routed_from_host(x, ids, weights, 6, host_matrices(*arrays), "int4", 32, False, None)
     assert torch.isnan(got).all() and torch.isnan(reference(x, ids, weights, 6, arrays, "int4", 32, False, None)).all()
     with pytest.raises(ValueError, match="format must be one of bf16, int8, int4, got 'fp8'"):
-        routed_from_host(x, ids, weights, 6, matrices(arrays, "int4"), "fp8", 32, False, None)
+        routed_from_host(x, ids, weights, 6, host_matrices(*arrays), "fp8", 32, False, None)
     with pytest.raises(ValueError, match="one token and a slot of its 8 to start from, got x \\(1, 352\\), first 8"):
-        routed_from_host(x, ids, weights, 8, matrices(arrays, "int4"), "int4", 32, False, None)
+        routed_from_host(x, ids, weights, 8, host_matrices(*arrays), "int4", 32, False, None)
 
 
 def locked(array: np.ndarray) -> np.ndarray:
@@ -99,11 +94,11 @@ def locked(array: np.ndarray) -> np.ndarray:
 def test_from_page_locked_host_memory_in_a_graph():
     arrays = packed_experts("int4", 128, 512, 256, 1)
     x, ids, weights = token(512, 0, "cuda")
-    got = routed_from_host(x, ids, weights, 5, matrices(arrays, "int4"), "int4", 128, True, None)
+    got = routed_from_host(x, ids, weights, 5, host_matrices(*arrays), "int4", 128, True, None)
     close(got, reference(x, ids, weights, 5, arrays, "int4", 128, True, None))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = routed_from_host(x, ids, weights, 5, matrices(arrays, "int4"), "int4", 128, True, None)
+        out = routed_from_host(x, ids, weights, 5, host_matrices(*arrays), "int4", 128, True, None)
     for seed in (1, 2):
         for t, new in zip((x, ids, weights), token(512, seed, "cuda")):
             t.copy_(new)
