@@ -24,6 +24,7 @@ import torch
 
 import bench_experts
 import ceilings
+from glm5_offload.errors import Glm5Error
 from glm5_offload.kernels import experts_from_host, moe_cpu
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 from glm5_offload.ops.expert_ring import page_locked
@@ -144,11 +145,20 @@ def main(argv=None):
     parser.add_argument("--tiles", type=tiles, default=[],
                         help="ROWSxWARPSxSPAN per program of the GPU's kernel to time (span: a row's bytes at once)")
     args = parser.parse_args(argv)
-    bench_experts.use_preset(args.preset)
+    try:
+        bench_experts.use_preset(args.preset)
+    except Glm5Error as e:
+        parser.error(str(e))
     top_k = bench_experts.TOP_K
-    counts = [int(n) for n in args.gpu.split(",")]
+    try:
+        counts = [int(n) for n in args.gpu.split(",")]
+    except ValueError:
+        parser.error(f"--gpu takes counts, comma-separated (0,1,2), got {args.gpu!r}")
     if any(not 0 <= n < top_k for n in counts):
         parser.error(f"--gpu counts must be 0 .. {top_k - 1} (the cores keep one), got {args.gpu}")
+    if args.experts < top_k or args.runs < 1:
+        parser.error(f"--experts must be at least the {top_k} a token routes to and --runs at least 1, got "
+                     f"{args.experts} and {args.runs}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_split.py needs a CUDA GPU (the GPU reads the experts from host memory)")
     layer = bench_experts.random_layer(args.format, args.experts, GROUP)
