@@ -1,7 +1,8 @@
 """End to end on a GLM-5-shaped checkpoint, and the projection of its per-layer figures to the full models.
 
     PYTHONPATH=.:bench python3 bench/bench_e2e.py --dir /tmp/g5 [--preset glm-5 --layers 2[,3] --indexshare --fp8]
-        [--discard] [--rules glm5 --gpu-ring 256 --sampled-topk] [--contexts 4096,131072] [--new-tokens 16]
+        [--discard] [--rules glm5 --gpu-ring 256 --sampled-topk --decode-gpu-experts 3] [--contexts 4096,131072]
+        [--new-tokens 16]
         [--prefill-chunk 16384] [--peer all,offload] [--prefill-only | --filled] [--repeats 1] [--json FILE]
 
 Writes the checkpoint with make-tiny unless --dir holds one (with several cuts, the largest; the others are cut from
@@ -357,6 +358,10 @@ def main(argv=None):
     parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int, help="experts.numba's gpu_ring in every experts rule: experts the "
                                                      "GPU holds at once for long chunks (256: a whole GLM-5 layer)")
+    parser.add_argument("--decode-gpu-experts", type=int,
+                        help="experts.numba's decode_gpu_experts in every experts rule: of a decode token's routed "
+                             "experts, how many the GPU runs from host memory beside the cores (the bound printed "
+                             "stays the cores' alone)")
     parser.add_argument("--sampled-topk", action=argparse.BooleanOptionalAction,
                         help="indexer.dsa_triton's sampled_topk in the rules (default: the rule file's)")
     parser.add_argument("--contexts", default="4096,131072")
@@ -385,6 +390,9 @@ def main(argv=None):
     rules = load_rules(args.rules)
     if args.gpu_ring:
         rules = with_kwargs(rules, "experts.numba", {"gpu_ring": args.gpu_ring}, "--gpu-ring")
+    if args.decode_gpu_experts is not None:
+        rules = with_kwargs(rules, "experts.numba", {"decode_gpu_experts": args.decode_gpu_experts},
+                            "--decode-gpu-experts")
     if args.sampled_topk is not None:
         rules = with_kwargs(rules, "indexer.dsa_triton", {"sampled_topk": args.sampled_topk}, "--sampled-topk")
     checkpoints = [(n, n, None) for n in counts]  # (key, layers, make_tiny's overrides)

@@ -230,7 +230,8 @@ def experts_huge_pages(model) -> tuple[int, int] | None:
 def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: float | None = None) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
     measured decode's fraction of it, numba's threads and threading layer (workqueue: half OpenMP's speed), the
-    experts timed alone (experts_alone; replayed_ms: experts_replayed's), and
+    experts timed alone (experts_alone; replayed_ms: experts_replayed's), how many of a token's experts the GPU
+    reads instead (decode_gpu_experts, where its layers' experts are page-locked), and
     the bytes of the memory holding the CPU experts in huge pages (a 4 KiB page a TLB entry slows their read:
     checkpoint.read_into_memory asks for 2 MiB ones); None where the experts are not all on the CPU."""
     model = engine.model
@@ -247,7 +248,10 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: f
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
             "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,
             "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9),
-            "experts_replayed_ms_per_token": replayed_ms}
+            "experts_replayed_ms_per_token": replayed_ms,
+            "experts_per_token": model.config.num_experts_per_tok,
+            "gpu_experts": max((m.decode_gpu_experts for m in model.modules()  # read by the GPU (decode_gpu_experts)
+                                if isinstance(m, NumbaExperts) and m.gpu_matrices is not None), default=0)}
 
 
 def saved_context_seconds(engine: Engine) -> dict:
@@ -293,6 +297,9 @@ def format_table(r: dict) -> str:
                      f"at {bound['host_read_gb_s']:.1f} GB/s read = {bound['bound_tok_s']:.1f} tok/s; decode is "
                      f"{bound['of_bound']:.1%} of it; the experts on {bound['experts_threads']} threads (numba's "
                      f"{bound['threading_layer']} layer)")
+        if bound.get("gpu_experts"):
+            lines.append(f"  of each token's {bound['experts_per_token']} experts the GPU read {bound['gpu_experts']} "
+                         "over its bus (decode_gpu_experts): the bound above is the cores' read alone")
         if bound["experts_alone_ms_per_token"]:
             step = (r["graph_split_ms_per_token"] or r["split_ms_per_token"])["experts"]
             replayed = bound["experts_replayed_ms_per_token"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glm5_offload.benchmark import prefill_projection
+from glm5_offload.benchmark import format_table, prefill_projection
 from glm5_offload.config import load_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.tiny import shaped_config, tiny_config
@@ -297,6 +297,9 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     bound = r["host_bound"]  # the CPU experts' bytes a token at the host's read bandwidth
     assert bound["expert_bytes_per_token"] > 0 and bound["host_read_gb_s"] > 0 and 0 < bound["of_bound"]
     assert "host-bandwidth bound" in table
+    assert bound["gpu_experts"] == 0 and "over its bus" not in table  # no GPU: the cores read every expert
+    shared = format_table({**r, "host_bound": {**bound, "gpu_experts": 1}})  # decode_gpu_experts: 1, as on a GPU
+    assert f"of each token's {bound['experts_per_token']} experts the GPU read 1 over its bus" in shared
     assert f"the experts on {bound['experts_threads']} threads (numba's {bound['threading_layer']} layer)" in table
     assert bound["experts_threads"] >= 1 and bound["threading_layer"] in ("omp", "tbb", "workqueue")
     # the tiny model's int4 experts read into memory of their own: its mappings, some of it perhaps in huge pages

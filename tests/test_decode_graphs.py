@@ -17,12 +17,12 @@ from conftest import rel_err
 ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else ["cpu"]
 
 
-def cpu_expert_rules(path, device, attention_kwargs="{}"):
+def cpu_expert_rules(path, device, attention_kwargs="{}", experts_kwargs=""):
     attention, indexer = ("dsa_triton", "dsa_triton") if device == "cuda" else ("reference", "reference")
     path.write_text(f"""
 - default: {{device: {device}}}
 - match: {{name: '^model\\.layers\\.\\d+\\.mlp\\.experts$', class: Experts}}
-  replace: {{op: experts.numba, device: cpu, kwargs: {{format: int8, group_size: 32}}}}
+  replace: {{op: experts.numba, device: cpu, kwargs: {{format: int8, group_size: 32{experts_kwargs}}}}}
   recursive: false
 - match: {{class: Attention}}
   replace: {{op: attention.{attention}, kwargs: {attention_kwargs}}}
@@ -112,6 +112,29 @@ def test_only_cpu_experts_on_a_gpu_model_decode_from_graphs(hf_checkpoint, tmp_p
     model = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "rules.yaml", "cpu"))
     assert "not on a GPU" in unsupported(model)
     assert Engine(model).use_graphs is False
+
+
+@pytest.mark.gpu
+def test_a_decode_tokens_gpu_slots_from_graphs_match_the_forward(hf_checkpoint, tmp_path):
+    """decode_gpu_experts: 1 of the tiny model's 2 slots, read by the GPU from the page-locked experts: steps from
+    graphs equal the model's forward (split the same way), whose logits equal those of both slots on the cores."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    split = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "split.yaml", "cuda",
+                                                                         experts_kwargs=", decode_gpu_experts: 1"))
+    cores = load_model(path, dtype=torch.float32, rules=cpu_expert_rules(tmp_path / "cores.yaml", "cuda"))
+    moe = [split.model.layers[i].mlp.experts for i in split.config.moe_layers]
+    assert all(experts.gpu_matrices is not None for experts in moe)
+    prompt = torch.randint(4, 320, (40,), generator=torch.Generator().manual_seed(7)).cuda()
+    caches = [new_cache(model, 128) for model in (split, split, cores)]
+    for model, cache in zip((split, split, cores), caches):
+        model(prompt, cache)
+    graphs = DecodeGraphs(split, caches[1], capture=True, min_bucket=16)
+    for token in torch.randint(4, 320, (8,), generator=torch.Generator().manual_seed(8)).tolist():
+        eager = split(torch.tensor([token], device="cuda"), caches[0])[-1]
+        on_cores = cores(torch.tensor([token], device="cuda"), caches[2])[-1]
+        got = graphs.step(token)
+        assert rel_err(got, eager) < 1e-5 and rel_err(eager, on_cores) < 1e-4
+        assert got.argmax() == on_cores.argmax()
 
 
 @pytest.mark.gpu

@@ -202,6 +202,8 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{pin_experts: 1}", "pin_experts must be true or false, got 1"),
     ("{in_memory: yes please}", "in_memory must be true or false, got 'yes please'"),
     ("{split_tokens: yes please}", "split_tokens must be a positive number of tokens or null, got 'yes please'"),
+    ("{decode_gpu_experts: -1}", "decode_gpu_experts must be a number of experts \\(0: none\\), got -1"),
+    ("{decode_gpu_experts: true}", "decode_gpu_experts must be a number of experts \\(0: none\\), got True"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     refused_rule(tmp_path, "Experts", f"op: experts.numba, device: cpu, kwargs: {kwargs}", needle)
@@ -256,6 +258,21 @@ def test_planner_counts_the_format(tmp_path):
     rest = sum(t.numel() * (4 if keeps_fp32(n) else 2) for n, t in model.state_dict().items() if ".experts." not in n)
     assert "experts int4/g128" in plan.notes
     assert cpu.weights == experts // 2 + experts // 128 * 4 + rest  # int4 payload, a scale per 128, bf16 for the rest
+
+
+def test_decode_gpu_experts_that_leave_the_cores_none_are_refused_at_the_plan(tmp_path):
+    from glm5_offload.config import load_config
+    from glm5_offload.model import build_model
+    from glm5_offload.planner import make_plan
+    from glm5_offload.rules import place
+
+    path = tmp_path / "rules.yaml"
+    path.write_text("- default: {device: cpu}\n- match: {class: Experts}\n  replace: {op: experts.numba, device: cpu, "
+                    "kwargs: {decode_gpu_experts: 8}}\n  recursive: false\n")
+    config = load_config("glm-5")
+    with pytest.raises(Glm5Error, match="decode_gpu_experts: 8 leaves the CPU cores none of the 8 experts a token "
+                                        "routes to; at most 7"):
+        make_plan(config, place(build_model(config), load_rules(path)), 1000, {})
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -523,3 +540,51 @@ def test_a_slow_or_missing_threading_layer_is_named(setting):
                 "nonsense": "error: NUMBA_THREADING_LAYER=nonsense: The threading layer requested 'nonsense' is "
                             "unknown to Numba."}
     assert said == expected[setting]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case (heap arrays); on a GPU: the next test")
+@pytest.mark.parametrize("fmt, group, act_int8", [("int4", 64, True), ("int8", 32, False), ("bf16", 128, False)])
+def test_a_decode_tokens_last_slots_beside_the_cores_equal_the_reference(fmt, group, act_int8, monkeypatch):
+    """decode_gpu_experts: 3 of a token's 8 slots run beside the host's part (here the interpreter reads the arrays
+    where they lie, as a GPU reads page-locked ones), the first 5 on the cores; the sum equals the reference's over
+    all 8, and the host's part alone the reference's over its 5. Without page-locked arrays nothing is split."""
+    ((layer, w13, w2),) = random_layers(1, fmt, group, E=16, act_int8=act_int8)
+    layer.decode_gpu_experts = 3
+    monkeypatch.setattr(experts_numba, "page_locked", lambda array: True)
+    assert layer.lock_for_gpu()
+    g = torch.Generator().manual_seed(13)
+    x, ids, weights = torch.randn(1, 128, generator=g), torch.randperm(16, generator=g)[None, :8], torch.rand(1, 8)
+    pending = experts_numba.HostPending([x, ids, weights], None, x, torch.empty(1, 128), 5, (ids, weights))
+    layer.beside(pending)
+    layer.host(pending)
+    rounding = group if act_int8 else 0
+    assert rel_err(pending.out, moe_cpu.moe_reference(x, w13, w2, ids[:, :5], weights[:, :5], rounding)) < 2e-4
+    got = layer.finish(pending)
+    assert rel_err(got, moe_cpu.moe_reference(x, w13, w2, ids, weights, rounding)) < 2e-4
+    monkeypatch.setattr(experts_numba, "page_locked", lambda array: False)
+    assert not layer.lock_for_gpu() and layer.gpu_matrices is None
+
+
+@pytest.mark.gpu
+def test_a_decode_token_splits_its_experts_with_the_gpu_from_locked_pages(tmp_path):
+    """The engine's case on a GPU: a stored layer read into memory of its own, page-locked at link; a decode token's
+    last 3 slots from its pages by the GPU, eagerly; a two-token chunk not split; both equal the reference."""
+    from safetensors.numpy import save_file
+
+    ((experts, w13, w2),) = random_layers(1, "int4", 32, E=48, act_int8=True)
+    save_file(experts._packed(), tmp_path / "layer.safetensors")
+    layer = NumbaExperts(read_into_memory(tmp_path / "layer.safetensors"), "int4", 32, threads=2, act_int8=True,
+                         decode_gpu_experts=3)
+    experts_numba.NUMBA_EXPERTS.link([layer])
+    assert layer.gpu_matrices is not None
+    g = torch.Generator().manual_seed(14)
+    for T in (1, 2):
+        x, weights = torch.randn(T, 128, generator=g), torch.rand(T, 8, generator=g)
+        ids = torch.stack([torch.randperm(48, generator=g)[:8] for _ in range(T)])
+        pending = layer.begin(x.cuda(), ids.cuda(), weights.cuda())
+        assert pending.cores == (5 if T == 1 else 8)
+        layer.beside(pending)
+        layer.host(pending)
+        got = layer.finish(pending).cpu()
+        assert (pending.gpu is not None) == (T == 1)
+        assert rel_err(got, moe_cpu.moe_reference(x, w13, w2, ids, weights, 32)) < 2e-4

@@ -124,8 +124,9 @@ class Router(nn.Module):
 class Experts(nn.ModuleList):
     """The routed experts, one MLP each (`mlp.experts.E.{gate,up,down}_proj`).
 
-    A MoE block drives them in three parts so that other work fits between: begin (here: compute now), host
-    (work on the host, none here), finish (the sum, on the caller's device). experts.numba's module overlaps them,
+    A MoE block drives them in parts so that other work fits between: begin (here: compute now), beside (the GPU's
+    share, queued while the host works; none here), host (work on the host, none here), finish (the sum, on the
+    caller's device). experts.numba's module overlaps them,
     and starts streaming its weights to the GPU when told a long chunk begins (prepare)."""
 
     def __init__(self, config: ModelConfig):
@@ -138,6 +139,9 @@ class Experts(nn.ModuleList):
     def begin(self, x, ids, weights):
         with span("experts", x.device):
             return self(x, ids, weights)
+
+    def beside(self, pending):
+        """Queue the GPU's share of work begun on the host (none here), to run while the host does its part."""
 
     def host(self, pending):
         pass
@@ -171,19 +175,21 @@ class MoE(nn.Module):
         """leave(s, MoE(enter(s))) as steps on a Pass (enter: the block's input, e.g. a norm of the residual stream;
         leave: what the output does to the stream, given as its parts: (routed experts' sum, shared expert's output),
         whose sum is blocks.summed): the routing, whose input starts on its way to the experts (CPU experts: to the
-        host); the shared expert, queued meanwhile; the experts' host work; their output handed on."""
+        host); the shared expert and the experts' GPU share (beside), queued meanwhile; the experts' host work; their
+        output handed on."""
 
         def route(s: Pass):
             s.moe_x = enter(s)
             ids, weights = self.gate(s.moe_x)
             s.routed = self.experts.begin(s.moe_x, ids, weights)
 
-        def shared(s: Pass):
-            s.shared = self.shared_experts(s.moe_x)
+        def beside(s: Pass):  # the GPU's work while the host's runs
+            if self.shared_experts is not None:
+                s.shared = self.shared_experts(s.moe_x)
+            self.experts.beside(s.routed)
 
         def combine(s: Pass):
             out = self.experts.finish(s.routed)
             leave(s, (out,) if self.shared_experts is None else (out, s.shared))
 
-        host = HostStep(lambda s: self.experts.host(s.routed))
-        return [route, CUT, shared, host, combine] if self.shared_experts is not None else [route, CUT, host, combine]
+        return [route, CUT, beside, HostStep(lambda s: self.experts.host(s.routed)), combine]

@@ -8,7 +8,10 @@ for a host whose RAM the experts do not fit). With the router and
 shared expert on the GPU, the hidden state crosses to the CPU once per layer through pinned buffers: begin()
 queues that copy, the MoE block then queues the shared expert on the GPU, host() waits for the copy alone (the
 one synchronisation) and runs the experts on every core while the GPU works, and finish() queues the result's
-copy back. From `gpu_tokens` tokens up (long prefill chunks), the layer runs on the GPU instead: each active
+copy back. With `decode_gpu_experts: n`, a decode token's last n routed slots run on the GPU (beside(), queued
+after the shared expert), their weights read by its kernels from the page-locked host memory over PCIe while the
+cores read the others' (kernels/experts_from_host.py): the two reads add up, in part.
+From `gpu_tokens` tokens up (long prefill chunks), the layer runs on the GPU instead: each active
 expert's packed weights stream there (expert_ring.py: a copy stream several experts ahead of the matmuls), are
 dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens (with `activations: int8`,
 inputs rounded as the CPU's int8 ones: a chunk's sum is the same wherever each expert ran); the stored layers'
@@ -20,6 +23,7 @@ import os
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import accumulate, chain
 from pathlib import Path
 
@@ -27,16 +31,18 @@ import numba
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..disk_store import DiskStore
 from ..errors import Glm5Error
 from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
 from ..kernels import experts_triton, host_stage, moe_cpu
+from ..kernels.experts_from_host import host_matrices, routed_from_host
 from ..kernels.host_read import read_sum
 from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
 from .base import Buffer, BuildContext, PlanContext, Slot
-from .expert_ring import DEPTH, ExpertRing
+from .expert_ring import DEPTH, ExpertRing, page_locked
 from .reference import ExpertsOperator
 
 STORE_VERSION = 2
@@ -181,12 +187,25 @@ def split_speeds(layer: "NumbaExperts", device: torch.device) -> SplitSpeeds:
     return _speeds.setdefault(key, SplitSpeeds())
 
 
+@dataclass
+class HostPending:
+    """A GPU token chunk's experts between begin and finish."""
+    inputs: list[torch.Tensor]  # x (fp32), ids and weights in pinned host memory
+    copied: torch.cuda.Event | None  # recorded behind their copy (None in a CUDA graph's capture)
+    x: torch.Tensor  # the chunk on the GPU
+    out: torch.Tensor  # the host's sum, pinned
+    cores: int  # of each token's routed slots, the first `cores` run on the host; the rest on the GPU (beside)
+    choice: tuple[torch.Tensor, torch.Tensor]  # ids and weights on the GPU
+    gpu: torch.Tensor | None = None  # the GPU's slots' sum, once beside() queued it
+
+
 class NumbaExperts(nn.Module):
-    """Drop-in for Experts: forward(x, ids, weights), and begin / host / finish for overlap with the GPU."""
+    """Drop-in for Experts: forward(x, ids, weights), and begin / beside / host / finish for overlap with the GPU."""
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
                  act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH,
-                 limit: float | None = None, pin: bool = True, split_tokens: int | None = SPLIT_TOKENS):
+                 limit: float | None = None, pin: bool = True, split_tokens: int | None = SPLIT_TOKENS,
+                 decode_gpu_experts: int = 0):
         super().__init__()
         self.limit = limit  # SwiGLU's clamp (GLM-5.3-Flash)
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
@@ -196,10 +215,20 @@ class NumbaExperts(nn.Module):
         self.pin = pin  # whether the ring page-locks the arrays and transfers from them
         self.split_tokens = split_tokens  # GPU chunks of fewer tokens: their lightest experts on the CPU cores too
         self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (chain_layers)
+        self.decode_gpu_experts = decode_gpu_experts  # a decode token's last slots the GPU runs from host memory
+        self.gpu_matrices: tuple | None = None  # w13, s13, w2, s2 as the GPU reads them in place (lock_for_gpu)
 
     def extra_repr(self) -> str:
         return (f"format={self.fmt}, group={self.group}, experts={self.w13.shape[0]}, threads={self.threads}, "
-                f"activations={'int8' if self.act_int8 else 'fp32'}, split_tokens={self.split_tokens}")
+                f"activations={'int8' if self.act_int8 else 'fp32'}, split_tokens={self.split_tokens}, "
+                f"decode_gpu_experts={self.decode_gpu_experts}")
+
+    def lock_for_gpu(self) -> bool:
+        """Page-lock the arrays for the GPU's decode slots (whether the GPU reads them in place; else those slots
+        stay on the cores)."""
+        locked = all(page_locked(a) for a in self._packed().values())
+        self.gpu_matrices = host_matrices(self.w13, self.s13, self.w2, self.s2) if locked else None
+        return locked
 
     def _compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return moe_cpu.moe_forward(self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x, ids, weights,
@@ -347,32 +376,44 @@ class NumbaExperts(nn.Module):
         if not torch.cuda.is_current_stream_capturing():  # a CUDA graph's replayer waits for its piece instead
             copied = torch.cuda.Event()
             copied.record()
-        return host, copied, x, pinned("out", x.shape, torch.float32)
+        on_gpu = x.shape[0] == 1 and self.gpu_matrices is not None and ids.device == weights.device == x.device
+        gpu = self.decode_gpu_experts if on_gpu else 0  # (not where a rule placed the router off the GPU)
+        return HostPending(host, copied, x, pinned("out", x.shape, torch.float32), ids.shape[1] - gpu, (ids, weights))
+
+    def beside(self, pending):
+        """Queue the GPU's slots of a decode token (decode_gpu_experts), to run while the host runs the others."""
+        if isinstance(pending, HostPending) and pending.cores < pending.choice[0].shape[1]:
+            with span("experts", pending.x.device):
+                pending.gpu = routed_from_host(pending.x, *pending.choice, pending.cores, self.gpu_matrices, self.fmt,
+                                               self.group, self.act_int8, self.limit)
 
     def host(self, pending):
         """The host's part of a GPU chunk: wait for the copy alone (the GPU goes on with what was queued after it),
-        then the experts into the pinned output."""
+        then the experts of the slots it runs into the pinned output."""
         if isinstance(pending, torch.Tensor):
             return
-        (x_host, ids_host, w_host), copied, _, out_host = pending
-        if copied is not None:
+        x_host, ids_host, w_host = pending.inputs
+        if pending.copied is not None:
             with span("transfers"):
-                copied.synchronize()
+                pending.copied.synchronize()
+        slots = slice(None, pending.cores)
         with span("experts"):
-            out_host.copy_(torch.from_numpy(self._compute(x_host.numpy(), ids_host.numpy(), w_host.numpy())))
+            ids, weights = (np.ascontiguousarray(t.numpy()[:, slots]) for t in (ids_host, w_host))
+            pending.out.copy_(torch.from_numpy(self._compute(x_host.numpy(), ids, weights)))
 
     def finish(self, pending) -> torch.Tensor:
         """The experts' sum, on the caller's device (its copy back is queued, not waited for); from the host in fp32,
-        as computed: the norm that adds it to the residual stream rounds it to the stream's dtype in its kernel
-        (blocks.summed), one kernel fewer between the experts and the next layer."""
+        as computed (plus the GPU's slots' sum, fp32): the norm that adds it to the residual stream rounds it to the
+        stream's dtype in its kernel (blocks.summed), one kernel fewer between the experts and the next layer."""
         if isinstance(pending, torch.Tensor):
             return pending
-        _, _, x, out_host = pending
-        with span("transfers", x.device):
-            return out_host.to(x.device, non_blocking=True)
+        with span("transfers", pending.x.device):
+            out = pending.out.to(pending.x.device, non_blocking=True)
+        return out if pending.gpu is None else out.add_(pending.gpu)
 
     def forward(self, x, ids, weights):
         pending = self.begin(x, ids, weights)
+        self.beside(pending)
         self.host(pending)
         return self.finish(pending).to(x.dtype)
 
@@ -393,12 +434,13 @@ class NumbaExpertsOperator(ExpertsOperator):
     (page-lock the stored experts as they first stream to the GPU: true, the default, or false: staged through
     pinned buffers by a host thread), split_tokens (GPU chunks of fewer tokens give their lightest experts to the CPU
     cores at the same time; default 1024, null: never), in_memory (read the stored experts into memory at load: true,
-    the default, or memory-map them: false)."""
+    the default, or memory-map them: false), decode_gpu_experts (of a decode token's routed experts, how many the GPU
+    computes beside the cores, reading their weights from host memory, page-locked at load; default 0: none)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
              "gpu_tokens": None, "gpu_ring": DEPTH, "pin_experts": True, "split_tokens": SPLIT_TOKENS,
-             "in_memory": True, **kwargs}
+             "in_memory": True, "decode_gpu_experts": 0, **kwargs}
         if k["format"] not in BITS:
             raise Glm5Error(f"format must be one of {', '.join(BITS)}, got {k['format']!r}")
         if k["group_size"] is not None and k["group_size"] not in GROUP_SIZES:
@@ -420,6 +462,9 @@ class NumbaExpertsOperator(ExpertsOperator):
                 raise Glm5Error(f"{name} must be true or false, got {k[name]!r}")
         if k["split_tokens"] is not None and not is_positive_int(k["split_tokens"]):
             raise Glm5Error(f"split_tokens must be a positive number of tokens or null, got {k['split_tokens']!r}")
+        if type(k["decode_gpu_experts"]) is not int or k["decode_gpu_experts"] < 0:  # (not YAML's true or false)
+            raise Glm5Error("decode_gpu_experts must be a number of experts (0: none), got "
+                            f"{k['decode_gpu_experts']!r}")
         return k
 
     def check(self, slot: Slot):
@@ -441,8 +486,17 @@ class NumbaExpertsOperator(ExpertsOperator):
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """With gpu_tokens, on the GPU of the residual stream: the expert ring (one per format, group and depth,
-        shared by the layers) and one expert dequantised at a time."""
+        shared by the layers) and one expert dequantised at a time; with decode_gpu_experts (fewer than the experts a
+        token routes to, or refused here), a decode token's gate, up, SwiGLU and sum of those experts there."""
         buffers = super().memory(slot, ctx)
+        config, gpu_experts = ctx.config, slot.kwargs["decode_gpu_experts"]
+        if gpu_experts >= config.num_experts_per_tok:
+            raise Glm5Error(f"decode_gpu_experts: {gpu_experts} leaves the CPU cores none of the "
+                            f"{config.num_experts_per_tok} experts a token routes to; at most "
+                            f"{config.num_experts_per_tok - 1}")
+        if gpu_experts and ctx.stream_device.startswith("cuda"):  # a decode token's gate and up, SwiGLU and sum
+            inter = config.moe_intermediate_size
+            buffers.append(Buffer(ctx.stream_device, "workspace", 4 * (gpu_experts * 3 * inter + config.hidden_size)))
         if slot.kwargs["gpu_tokens"] and ctx.stream_device != slot.device:
             (fmt, group), depth = self.packing(slot, ctx.dtype), slot.kwargs["gpu_ring"]
             one_expert = 3 * ctx.config.hidden_size * ctx.config.moe_intermediate_size
@@ -466,10 +520,18 @@ class NumbaExpertsOperator(ExpertsOperator):
             arrays = store.store(slot.name, convert_layer(slot.name, config.n_routed_experts, checkpoint, fmt, group),
                                  k["in_memory"])
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
-                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"])
+                            k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"],
+                            k["decode_gpu_experts"])
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
+        sharing = [m for m in modules if m.decode_gpu_experts]
+        if sharing and torch.cuda.is_available():
+            locked = sum(m.lock_for_gpu() for m in tqdm(sharing, desc="page-locking experts", unit="layer",
+                                                         disable=None))
+            if locked < len(sharing):
+                log.warning("decode_gpu_experts: %d of %d layers' experts could not be page-locked: their decode "
+                            "tokens run every expert on the CPU cores", len(sharing) - locked, len(sharing))
         for problem in (bound_by_openmp(), slow_threading_layer()):
             if problem:
                 log.warning("%s", problem)
@@ -478,5 +540,5 @@ class NumbaExpertsOperator(ExpertsOperator):
 NUMBA_EXPERTS = NumbaExpertsOperator(
     "experts.numba", Experts, "routed experts in host RAM (bf16/int8/int4), numba kernels on every core",
     kwargs=("format", "group_size", "threads", "cache_dir", "activations", "gpu_tokens", "gpu_ring", "pin_experts",
-            "split_tokens", "in_memory"),
+            "split_tokens", "in_memory", "decode_gpu_experts"),
     devices=("cpu",))

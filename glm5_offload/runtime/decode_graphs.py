@@ -7,8 +7,9 @@ each stretch of GPU steps between cuts is captured as a graph. For a MoE layer i
 
     A_i  the previous layer's expert sum (H2D from a pinned buffer) and shared expert + residual, norm,
          attention (indexer, top-k, tiered fetch, sparse MLA), residual, norm, router, and the experts' input,
-         choice and weights copied D2H into pinned buffers                                     (up to the CUT)
-    B_i  the shared expert, which the GPU runs while the CPU runs the routed experts        (up to the HostStep)
+         choice and weights written into pinned buffers                                        (up to the CUT)
+    B_i  the shared expert (and the routed slots the GPU runs from host memory: decode_gpu_experts), which the
+         GPU runs while the CPU runs the routed experts                                     (up to the HostStep)
 
 The host replays A_i and B_i, and A_{i+1} too, which starts by waiting on the GPU for the host's signal
 (kernels/host_signal.py); it waits for A_i alone (the one synchronisation of the layer), runs the routed experts on
