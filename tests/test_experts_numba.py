@@ -260,7 +260,7 @@ def test_planner_counts_the_format(tmp_path):
     assert cpu.weights == experts // 2 + experts // 128 * 4 + rest  # int4 payload, a scale per 128, bf16 for the rest
 
 
-def test_decode_gpu_experts_that_leave_the_cores_none_are_refused_at_the_plan(tmp_path):
+def test_decode_gpu_experts_the_plan_cannot_run_are_refused(tmp_path):
     from glm5_offload.config import load_config
     from glm5_offload.model import build_model
     from glm5_offload.planner import make_plan
@@ -272,6 +272,10 @@ def test_decode_gpu_experts_that_leave_the_cores_none_are_refused_at_the_plan(tm
     config = load_config("glm-5")
     with pytest.raises(Glm5Error, match="decode_gpu_experts: 8 leaves the CPU cores none of the 8 experts a token "
                                         "routes to; at most 7"):
+        make_plan(config, place(build_model(config), load_rules(path)), 1000, {})
+    path.write_text(path.read_text().replace("decode_gpu_experts: 8", "decode_gpu_experts: 2"))
+    with pytest.raises(Glm5Error, match="decode_gpu_experts: 2 runs experts on the GPU of the residual stream, but "
+                                        "the rules put it on cpu \\(model.embed_tokens' device\\)"):
         make_plan(config, place(build_model(config), load_rules(path)), 1000, {})
 
 
