@@ -495,8 +495,9 @@ class NumbaExpertsOperator(ExpertsOperator):
                             f"{config.num_experts_per_tok} experts a token routes to; at most "
                             f"{config.num_experts_per_tok - 1}")
         if gpu_experts and not ctx.stream_device.startswith("cuda"):
-            raise Glm5Error(f"decode_gpu_experts: {gpu_experts} runs experts on the GPU of the residual stream, but "
-                            f"the rules put it on {ctx.stream_device} (model.embed_tokens' device)")
+            raise Glm5Error(f"decode_gpu_experts: {slot.kwargs['decode_gpu_experts']} runs experts on the GPU of "
+                            f"the residual stream, but the rules put it on {ctx.stream_device} (model.embed_tokens' "
+                            "device)")
         if gpu_experts:  # a decode token's gate and up, SwiGLU and sum
             inter = config.moe_intermediate_size
             buffers.append(Buffer(ctx.stream_device, "workspace", 4 * (gpu_experts * 3 * inter + config.hidden_size)))
