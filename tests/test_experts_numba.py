@@ -270,13 +270,14 @@ def test_decode_gpu_experts_the_plan_cannot_run_are_refused(tmp_path):
     path.write_text("- default: {device: cpu}\n- match: {class: Experts}\n  replace: {op: experts.numba, device: cpu, "
                     "kwargs: {decode_gpu_experts: 8}}\n  recursive: false\n")
     config = load_config("glm-5")
+    model = build_model(config)
     with pytest.raises(Glm5Error, match="decode_gpu_experts: 8 leaves the CPU cores none of the 8 experts a token "
                                         "routes to; at most 7"):
-        make_plan(config, place(build_model(config), load_rules(path)), 1000, {})
+        make_plan(config, place(model, load_rules(path)), 1000, {})
     path.write_text(path.read_text().replace("decode_gpu_experts: 8", "decode_gpu_experts: 2"))
     with pytest.raises(Glm5Error, match="decode_gpu_experts: 2 runs experts on the GPU of the residual stream, but "
                                         "the rules put it on cpu \\(model.embed_tokens' device\\)"):
-        make_plan(config, place(build_model(config), load_rules(path)), 1000, {})
+        make_plan(config, place(model, load_rules(path)), 1000, {})
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
