@@ -54,6 +54,17 @@ class GpuPart:
         torch.cuda.synchronize()
 
 
+def choice(rng, experts, top_k) -> np.ndarray:
+    """A token's top_k distinct experts of `experts`: [1, top_k] int64."""
+    return rng.permutation(experts)[:top_k][None].astype(np.int64)
+
+
+def token(rng, experts, top_k) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decode token: its input [1, H] fp32, experts and weights [1, top_k]."""
+    x = rng.standard_normal((1, bench_experts.HIDDEN), np.float32)
+    return x, choice(rng, experts, top_k), rng.random((1, top_k), np.float32)
+
+
 def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
     """Median seconds per token of the cores' part, the GPU's part and both at once; the split's sum against the
     cores' alone over all top_k slots (relative error, the first token)."""
@@ -66,9 +77,7 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
     times = {"cores": [], "gpu": [], "both": []}
     error = None
     for i in range(runs + 1):  # the first compiles or warms: left out
-        x = rng.standard_normal((1, bench_experts.HIDDEN), np.float32)
-        ids = rng.permutation(experts)[:top_k][None].astype(np.int64)
-        w = rng.random((1, top_k), np.float32)
+        x, ids, w = token(rng, experts, top_k)
         if gpu:
             gpu.choose(x, ids, w)
         t0 = time.perf_counter()
@@ -81,13 +90,13 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
             whole = moe_cpu.moe_forward(fmt, GROUP, *layer, x, ids, w, act_int8=True)
             got = part + gpu.out.cpu().numpy()
             error = float(np.linalg.norm(got - whole) / np.linalg.norm(whole))
-        ids = rng.permutation(experts)[:top_k][None].astype(np.int64)  # alone: fresh experts again
+        ids = choice(rng, experts, top_k)  # alone: fresh experts again
         t0 = time.perf_counter()
         cores(x, ids, w)
         alone = time.perf_counter() - t0
         gpu_alone = 0.0
         if gpu:
-            gpu.choose(x, rng.permutation(experts)[:top_k][None].astype(np.int64), w)
+            gpu.choose(x, choice(rng, experts, top_k), w)
             t0 = time.perf_counter()
             gpu.graph.replay()
             torch.cuda.synchronize()
@@ -108,9 +117,7 @@ def tile_sweep(layer, fmt, experts, top_k, tiles, runs, rng) -> list[tuple]:
             gpu = GpuPart(layer, fmt, 3, top_k)
             seconds = []
             for _ in range(runs):
-                x = rng.standard_normal((1, bench_experts.HIDDEN), np.float32)
-                ids = rng.permutation(experts)[:top_k][None].astype(np.int64)
-                gpu.choose(x, ids, rng.random((1, top_k), np.float32))
+                gpu.choose(*token(rng, experts, top_k))
                 t0 = time.perf_counter()
                 gpu.graph.replay()
                 torch.cuda.synchronize()
