@@ -547,6 +547,25 @@ def test_a_slow_or_missing_threading_layer_is_named(setting):
     assert said == expected[setting]
 
 
+def test_layers_whose_experts_cannot_be_page_locked_keep_every_decode_expert_on_the_cores(monkeypatch, caplog):
+    """link with decode_gpu_experts where the host refuses to page-lock one layer of two: that layer reads nothing
+    from the GPU, one warning counts it; a layer without the option is not locked at all."""
+    layers = [layer for layer, _, _ in random_layers(3, "int4", 32, E=16)]
+    layers[0].decode_gpu_experts = layers[1].decode_gpu_experts = 2
+    refused = layers[1]._packed()["w13"].ctypes.data
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(experts_numba, "page_locked",
+                        lambda array: asked.append(array.ctypes.data) or array.ctypes.data != refused)
+    with caplog.at_level("WARNING", logger="glm5_offload"):
+        experts_numba.NUMBA_EXPERTS.link(layers)
+    assert layers[0].gpu_matrices is not None and layers[1].gpu_matrices is None and layers[2].gpu_matrices is None
+    assert not set(asked) & {a.ctypes.data for a in layers[2]._packed().values()}
+    assert [r.getMessage() for r in caplog.records if "page-locked" in r.getMessage()] == [
+        "decode_gpu_experts: 1 of 2 layers' experts could not be page-locked: their decode tokens run every expert "
+        "on the CPU cores"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's case (heap arrays); on a GPU: the next test")
 @pytest.mark.parametrize("fmt, group, act_int8", [("int4", 64, True), ("int8", 32, False), ("bf16", 128, False)])
 def test_a_decode_tokens_last_slots_beside_the_cores_equal_the_reference(fmt, group, act_int8, monkeypatch):
