@@ -11,7 +11,8 @@ Each token routes to fresh random experts of the layer (64 by default: 1.3 GB of
 int8 activations as the shipped rules take them. Per n, the median token of `runs`: the cores' part alone, the GPU's
 part alone, and both at once (the GPU's graph launched, then the cores' part on this thread, then a wait for the GPU);
 the token's experts' bytes over that time, its ratio to n = 0 and to the cores' read ceiling. --tiles times the GPU's
-part (3 experts) alone at each of the kernel's (rows, warps, a row's bytes read at once) per program.
+part (3 experts) at each of the kernel's (rows, warps, a row's bytes read at once) per program, alone and beside
+the cores' part of the others (whose reads may disturb a tile's more than another's).
 """
 
 import argparse
@@ -32,26 +33,8 @@ from glm5_offload.ops.expert_ring import page_locked
 GROUP = 128
 
 
-class GpuPart:
-    """The last n slots of a token from host memory, captured in a CUDA graph over static choice tensors."""
-
-    def __init__(self, layer, fmt, n, top_k):
-        self.x = torch.randn(1, bench_experts.HIDDEN, device="cuda")
-        self.ids = torch.zeros(1, top_k, dtype=torch.int64, device="cuda")
-        self.weights = torch.rand(1, top_k, device="cuda")
-        matrices = experts_from_host.host_matrices(*layer)
-        run = lambda: experts_from_host.routed_from_host(self.x, self.ids, self.weights, top_k - n,  # noqa: E731
-                                                         matrices, fmt, GROUP, True, None)
-        run()  # compiled
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = run()
-
-    def choose(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray):
-        for dst, src in ((self.x, x), (self.ids, ids), (self.weights, weights)):
-            dst.copy_(torch.from_numpy(src))
-        torch.cuda.synchronize()
+def graphed(layer, fmt, top_k, n) -> experts_from_host.GraphedSlots:
+    return experts_from_host.GraphedSlots(experts_from_host.host_matrices(*layer), fmt, GROUP, True, None, top_k, n)
 
 
 def choice(rng, experts, top_k) -> np.ndarray:
@@ -65,14 +48,17 @@ def token(rng, experts, top_k) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, choice(rng, experts, top_k), rng.random((1, top_k), np.float32)
 
 
+def cores_part(layer, fmt, x, ids, w, slots):
+    """The cores' experts of a token's first `slots` slots."""
+    first = (np.ascontiguousarray(a[:, :slots]) for a in (ids, w))
+    return moe_cpu.moe_forward(fmt, GROUP, *layer, x, *first, act_int8=True)
+
+
 def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
     """Median seconds per token of the cores' part, the GPU's part and both at once; the split's sum against the
     cores' alone over all top_k slots (relative error, the first token)."""
-    gpu = GpuPart(layer, fmt, n, top_k) if n else None
-
-    def cores(x, ids, w):
-        first = (np.ascontiguousarray(a[:, :top_k - n]) for a in (ids, w))
-        return moe_cpu.moe_forward(fmt, GROUP, *layer, x, *first, act_int8=True)
+    gpu = graphed(layer, fmt, top_k, n) if n else None
+    cores = lambda x, ids, w: cores_part(layer, fmt, x, ids, w, top_k - n)  # noqa: E731
 
     times = {"cores": [], "gpu": [], "both": []}
     error = None
@@ -82,7 +68,7 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
             gpu.choose(x, ids, w)
         t0 = time.perf_counter()
         if gpu:
-            gpu.graph.replay()
+            gpu.replay()
         part = cores(x, ids, w)
         torch.cuda.synchronize()
         both = time.perf_counter() - t0
@@ -98,7 +84,7 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
         if gpu:
             gpu.choose(x, choice(rng, experts, top_k), w)
             t0 = time.perf_counter()
-            gpu.graph.replay()
+            gpu.replay()
             torch.cuda.synchronize()
             gpu_alone = time.perf_counter() - t0
         if i:
@@ -108,22 +94,27 @@ def token_times(layer, fmt, n, experts, top_k, runs, rng) -> dict:
 
 
 def tile_sweep(layer, fmt, experts, top_k, tiles, runs, rng) -> list[tuple]:
-    """The GPU's part of 3 slots alone at each (rows, warps, span bytes) per program: median ms and GB/s."""
+    """The GPU's part of 3 slots at each (rows, warps, span bytes) per program, alone and beside the cores' part of
+    the others (the reads' mix decode has): median ms alone, its GB/s, median ms of both at once."""
     rows = []
     shipped = experts_from_host.TILE
     try:
         for tile in tiles:
             experts_from_host.TILE = tile
-            gpu = GpuPart(layer, fmt, 3, top_k)
-            seconds = []
+            gpu = graphed(layer, fmt, top_k, 3)
+            seconds = {"alone": [], "both": []}
             for _ in range(runs):
-                gpu.choose(*token(rng, experts, top_k))
-                t0 = time.perf_counter()
-                gpu.graph.replay()
-                torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - t0)
-            ms = sorted(seconds)[len(seconds) // 2] * 1e3
-            rows.append((tile, ms, 3 * bench_experts.expert_bytes(layer, 0) / ms / 1e6))
+                for mode, times in seconds.items():
+                    x, ids, w = token(rng, experts, top_k)
+                    gpu.choose(x, ids, w)
+                    t0 = time.perf_counter()
+                    gpu.replay()
+                    if mode == "both":
+                        cores_part(layer, fmt, x, ids, w, top_k - 3)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            alone, both = (sorted(t)[len(t) // 2] * 1e3 for t in seconds.values())
+            rows.append((tile, alone, 3 * bench_experts.expert_bytes(layer, 0) / alone / 1e6, both))
     finally:
         experts_from_host.TILE = shipped
     return rows
@@ -191,11 +182,12 @@ def main(argv=None):
         print(f"| {n} | {t['cores'] * 1e3:.3f} | {t['gpu'] * 1e3:.3f} | {both * 1e3:.3f} | {gb_s:.1f} | {ratio} | "
               f"{gb_s / read:.0%} | {gb_s / (read + bus):.0%} | {error} |", flush=True)
     if args.tiles:
-        print("\n| rows x warps x span bytes a program | GPU's part (3 experts) ms | GB/s | of the pinned copy |\n"
-              "| --- | --- | --- | --- |")
-        for (r, w, span), ms, gb_s in tile_sweep(layer, args.format, args.experts, top_k, args.tiles, args.runs,
-                                                 rng):
-            print(f"| {r} x {w} x {span} | {ms:.3f} | {gb_s:.1f} | {gb_s / bus:.0%} |", flush=True)
+        print(f"\n| rows x warps x span bytes a program | GPU's part (3 experts) alone ms | GB/s | of the pinned copy | "
+              f"beside the cores' {top_k - 3}: both ms |\n| --- | --- | --- | --- | --- |")
+        for (r, w, span), ms, gb_s, both in tile_sweep(layer, args.format, args.experts, top_k, args.tiles,
+                                                       args.runs, rng):
+            print(f"| {r} x {w} x {span} | {ms:.3f} | {gb_s:.1f} | {gb_s / bus:.0%} | {both:.3f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ bandwidth); and the first checkpoint's last-context prefill, from its synchronis
 import argparse
 import dataclasses
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -234,8 +235,14 @@ def in_own_process(fn, *args):
     """fn(*args) in a fresh process (spawned: no CUDA context, allocator caches or memory maps of earlier loads), as
     a user's process loads one model. Loads after earlier 1M-context loads in the same process ran their CPU experts
     up to 1.5x slower (H200 machine, sessions 29-30); each in a process of its own, not."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=show_engine_log) as pool:
         return pool.submit(fn, *args).result()
+
+
+def show_engine_log():
+    """The engine's INFO lines on stderr (decode_gpu_experts: auto's choice), as `glm5` shows them."""
+    logging.basicConfig(level=logging.WARNING, format="glm5: %(message)s", stream=sys.stderr)
+    logging.getLogger("glm5_offload").setLevel(logging.INFO)
 
 
 def trial_ms(result: dict) -> float:
@@ -331,6 +338,15 @@ def alone_ms(result: dict, moe_layers: int) -> float | None:
     return ms and ms / moe_layers
 
 
+def count_or_auto(text: str) -> int | str:
+    """--decode-gpu-experts' value: a count or auto."""
+    if text == "auto":
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"a number of experts or auto, got {text!r}")
+
+
 def with_kwargs(rules: RuleFile, op: str, kwargs: dict, flag: str) -> RuleFile:
     """The rule file with kwargs set in its rules that name op, checked as a rule file's are (flag: the
     command-line flag that asked, named in the error)."""
@@ -358,10 +374,10 @@ def main(argv=None):
     parser.add_argument("--rules", default="glm5")
     parser.add_argument("--gpu-ring", type=int, help="experts.numba's gpu_ring in every experts rule: experts the "
                                                      "GPU holds at once for long chunks (256: a whole GLM-5 layer)")
-    parser.add_argument("--decode-gpu-experts", type=int,
+    parser.add_argument("--decode-gpu-experts", type=count_or_auto,
                         help="experts.numba's decode_gpu_experts in every experts rule: of a decode token's routed "
-                             "experts, how many the GPU runs from host memory beside the cores (the bound printed "
-                             "stays the cores' alone)")
+                             "experts, how many the GPU runs from host memory beside the cores, or auto (the bound "
+                             "printed stays the cores' alone)")
     parser.add_argument("--sampled-topk", action=argparse.BooleanOptionalAction,
                         help="indexer.dsa_triton's sampled_topk in the rules (default: the rule file's)")
     parser.add_argument("--contexts", default="4096,131072")

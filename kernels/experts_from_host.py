@@ -132,3 +132,31 @@ def routed_from_host(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     out = torch.empty(1, hidden, dtype=torch.float32, device=x.device)
     _rows(act, ids, weights, w2, s2, out, first, slots, fmt, group, summed=True)
     return out
+
+
+class GraphedSlots:
+    """A token's last n slots by routed_from_host, captured in a CUDA graph over static inputs, as a decode step
+    replays them (no launches on the host): choose() the token, replay(), then out [1, H] fp32 holds their sum."""
+
+    def __init__(self, matrices: tuple, fmt: str, group: int, act_int8: bool, limit: float | None, top_k: int, n: int):
+        hidden = matrices[2].shape[1]  # w2 [E, H, I packed]
+        self.x = torch.zeros(1, hidden, device="cuda")
+        self.ids = torch.zeros(1, top_k, dtype=torch.int64, device="cuda")
+        self.weights = torch.zeros(1, top_k, device="cuda")
+        run = lambda: routed_from_host(self.x, self.ids, self.weights, top_k - n, matrices, fmt,  # noqa: E731
+                                       group, act_int8, limit)
+        run()  # compiled before the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = run()
+
+    def choose(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray):
+        """The token's input [1, H], experts and weights [1, top_k], here before the next replay."""
+        for dst, src in ((self.x, x), (self.ids, ids), (self.weights, weights)):
+            dst.copy_(torch.from_numpy(src))
+        torch.cuda.synchronize()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out

@@ -176,6 +176,9 @@ def test_repeats_keep_the_median_load_whole(capsys):
     with pytest.raises(SystemExit):
         bench_e2e.main(["--dir", "unused", "--repeats", "0"])
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.main(["--dir", "unused", "--decode-gpu-experts", "fast"])
+    assert "--decode-gpu-experts: a number of experts or auto, got 'fast'" in capsys.readouterr().err
 
 
 def test_each_load_runs_in_a_process_of_its_own():

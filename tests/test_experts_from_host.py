@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from glm5_offload.formats import int_groups
-from glm5_offload.kernels.experts_from_host import host_matrices, routed_from_host
+from glm5_offload.kernels.experts_from_host import GraphedSlots, host_matrices, routed_from_host
 from glm5_offload.model import swiglu
 from glm5_offload.ops.expert_ring import page_locked
 
@@ -92,16 +92,15 @@ def locked(array: np.ndarray) -> np.ndarray:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_from_page_locked_host_memory_in_a_graph():
+    """Eagerly, then as GraphedSlots (a CUDA graph over static inputs) replayed for two new tokens."""
     arrays = packed_experts("int4", 128, 512, 256, 1)
     x, ids, weights = token(512, 0, "cuda")
     got = routed_from_host(x, ids, weights, 5, host_matrices(*arrays), "int4", 128, True, None)
     close(got, reference(x, ids, weights, 5, arrays, "int4", 128, True, None))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = routed_from_host(x, ids, weights, 5, host_matrices(*arrays), "int4", 128, True, None)
+    slots = GraphedSlots(host_matrices(*arrays), "int4", 128, True, None, K, K - 5)
     for seed in (1, 2):
-        for t, new in zip((x, ids, weights), token(512, seed, "cuda")):
-            t.copy_(new)
-        graph.replay()
+        x, ids, weights = token(512, seed, "cpu")
+        slots.choose(x.numpy(), ids.numpy(), weights.numpy())
+        out = slots.replay()
         torch.cuda.synchronize()
         close(out, reference(x, ids, weights, 5, arrays, "int4", 128, True, None))

@@ -2,7 +2,9 @@
 
 import ctypes.util
 import importlib.util
+import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -202,8 +204,9 @@ def test_fp8_checkpoint_converts_from_dequantised_weights(tiny_dir, tmp_path):
     ("{pin_experts: 1}", "pin_experts must be true or false, got 1"),
     ("{in_memory: yes please}", "in_memory must be true or false, got 'yes please'"),
     ("{split_tokens: yes please}", "split_tokens must be a positive number of tokens or null, got 'yes please'"),
-    ("{decode_gpu_experts: -1}", "decode_gpu_experts must be a number of experts \\(0: none\\), got -1"),
-    ("{decode_gpu_experts: true}", "decode_gpu_experts must be a number of experts \\(0: none\\), got True"),
+    ("{decode_gpu_experts: -1}", "decode_gpu_experts must be a number of experts \\(0: none\\) or auto, got -1"),
+    ("{decode_gpu_experts: true}", "decode_gpu_experts must be a number of experts \\(0: none\\) or auto, got True"),
+    ("{decode_gpu_experts: fast}", "decode_gpu_experts must be a number of experts \\(0: none\\) or auto, got 'fast'"),
 ])
 def test_bad_kwargs(tmp_path, kwargs, needle):
     refused_rule(tmp_path, "Experts", f"op: experts.numba, device: cpu, kwargs: {kwargs}", needle)
@@ -589,17 +592,54 @@ def test_a_decode_tokens_last_slots_beside_the_cores_equal_the_reference(fmt, gr
     assert not layer.lock_for_gpu() and layer.gpu_matrices is None
 
 
-@pytest.mark.gpu
-def test_a_decode_token_splits_its_experts_with_the_gpu_from_locked_pages(tmp_path):
-    """The engine's case on a GPU: a stored layer read into memory of its own, page-locked at link; a decode token's
-    last 3 slots from its pages by the GPU, eagerly; a two-token chunk not split; both equal the reference."""
+def stored_layer(tmp_path, decode_gpu_experts):
+    """A random int4 layer of 48 experts, stored and read into memory of its own as the engine reads it, linked
+    (page-locked where decode_gpu_experts asks), and its weights for the reference."""
     from safetensors.numpy import save_file
 
     ((experts, w13, w2),) = random_layers(1, "int4", 32, E=48, act_int8=True)
     save_file(experts._packed(), tmp_path / "layer.safetensors")
     layer = NumbaExperts(read_into_memory(tmp_path / "layer.safetensors"), "int4", 32, threads=2, act_int8=True,
-                         decode_gpu_experts=3)
+                         decode_gpu_experts=decode_gpu_experts)
     experts_numba.NUMBA_EXPERTS.link([layer])
+    return layer, w13, w2
+
+
+@pytest.mark.parametrize("medians, chosen", [({0: 2.0, 1: 1.95, 2: 1.6, 3: 1.56, 4: 1.9}, 2),
+                                             ({0: 1.5, 1: 1.47, 2: 2.2}, 0), ({0: 2.0, 1: 1.5, 2: 1.0}, 2)])
+def test_auto_keeps_a_count_more_on_the_gpu_only_past_the_margin(medians, chosen):
+    assert experts_numba.fastest_split(medians) == chosen
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case without a GPU")
+def test_auto_without_a_gpu_runs_every_expert_on_the_cores(tmp_path):
+    layer, _, _ = stored_layer(tmp_path, "auto")
+    assert layer.decode_gpu_experts == 0 and layer.gpu_matrices is None
+
+
+@pytest.mark.gpu
+def test_auto_times_a_decode_token_at_each_count_and_keeps_one(tmp_path, caplog):
+    """decode_gpu_experts: auto on a GPU: link times a token with 0 .. 4 of its 8 experts there and keeps one, each
+    count's time logged; a decode token then splits so, and equals the reference."""
+    with caplog.at_level(logging.INFO, logger="glm5_offload"):
+        layer, w13, w2 = stored_layer(tmp_path, "auto")
+    assert layer.decode_gpu_experts in range(5), layer.decode_gpu_experts
+    assert re.search(r"decode_gpu_experts: auto runs \d of a decode token's 8 experts on the GPU \(a token's ms "
+                     r"with 0, 1, ... of them there: (\d+\.\d\d, ){4}\d+\.\d\d\)", caplog.text), caplog.text
+    g = torch.Generator().manual_seed(15)
+    x, weights, ids = torch.randn(1, 128, generator=g), torch.rand(1, 8, generator=g), torch.randperm(48)[None, :8]
+    pending = layer.begin(x.cuda(), ids.cuda(), weights.cuda())
+    assert pending.cores == 8 - layer.decode_gpu_experts
+    layer.beside(pending)
+    layer.host(pending)
+    assert rel_err(layer.finish(pending).cpu(), moe_cpu.moe_reference(x, w13, w2, ids, weights, 32)) < 2e-4
+
+
+@pytest.mark.gpu
+def test_a_decode_token_splits_its_experts_with_the_gpu_from_locked_pages(tmp_path):
+    """The engine's case on a GPU: a stored layer read into memory of its own, page-locked at link; a decode token's
+    last 3 slots from its pages by the GPU, eagerly; a two-token chunk not split; both equal the reference."""
+    layer, w13, w2 = stored_layer(tmp_path, 3)
     assert layer.gpu_matrices is not None
     g = torch.Generator().manual_seed(14)
     for T in (1, 2):

@@ -87,19 +87,22 @@ def test_gpu_ring_sets_the_experts_held_on_the_gpu(tmp_path):
     assert device(ring, "cuda").workspace - device(base, "cuda").workspace == (256 - DEPTH) * packed
 
 
-def test_decode_gpu_experts_plan_their_gpu_workspace(tmp_path):
-    """decode_gpu_experts: 3 under the shipped rules (residual stream on the GPU): the plan holds, and the experts'
-    operator declares the GPU's fp32 gate, up and SwiGLU rows of those 3 experts and the token's sum."""
+@pytest.mark.parametrize("count, planned", [(3, 3), ("auto", 4)])
+def test_decode_gpu_experts_plan_their_gpu_workspace(tmp_path, count, planned):
+    """decode_gpu_experts under the shipped rules (residual stream on the GPU): the plan holds, and the experts'
+    operator declares the GPU's fp32 gate, up and SwiGLU rows of those experts and the token's sum (auto: of up to
+    half a token's 8)."""
     from glm5_offload.ops.base import Buffer, PlanContext
 
-    text = resolve_rules_path("glm5").read_text().replace("gpu_tokens: 64", "gpu_tokens: 64, decode_gpu_experts: 3")
+    text = resolve_rules_path("glm5").read_text().replace("gpu_tokens: 64",
+                                                          f"gpu_tokens: 64, decode_gpu_experts: {count}")
     (tmp_path / "split.yaml").write_text(text)
     config = load_config("glm-5.2")
     placement = place(meta_model("glm-5.2"), load_rules(tmp_path / "split.yaml"))
     make_plan(config, placement, 4096, {"cuda": 24 * GiB, "cpu": 512 * GiB})
     slot = next(s for s in placement.slots.values() if s.op is not None and s.op.name == "experts.numba")
     ctx = PlanContext(config, torch.bfloat16, 4096, None, None, 2048, "cuda")
-    assert Buffer("cuda", "workspace", 4 * (3 * 3 * 2048 + 6144)) in slot.op.memory(slot, ctx)
+    assert Buffer("cuda", "workspace", 4 * (planned * 3 * 2048 + 6144)) in slot.op.memory(slot, ctx)
 
 
 def test_glm5_fp8_at_200k_tokens():

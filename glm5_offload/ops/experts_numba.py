@@ -10,7 +10,9 @@ queues that copy, the MoE block then queues the shared expert on the GPU, host()
 one synchronisation) and runs the experts on every core while the GPU works, and finish() queues the result's
 copy back. With `decode_gpu_experts: n`, a decode token's last n routed slots run on the GPU (beside(), queued
 after the shared expert), their weights read by its kernels from the page-locked host memory over PCIe while the
-cores read the others' (kernels/experts_from_host.py): the two reads add up, in part.
+cores read the others' (kernels/experts_from_host.py): the two reads add up, in part. `decode_gpu_experts: auto`
+times a decode token at load with each count up to half the token's experts and keeps the fastest (it pays on some
+hosts only: where the cores alone leave the host memory's read unused).
 From `gpu_tokens` tokens up (long prefill chunks), the layer runs on the GPU instead: each active
 expert's packed weights stream there (expert_ring.py: a copy stream several experts ahead of the matmuls), are
 dequantised to the compute dtype (kernels/experts_triton.py) and multiply their tokens (with `activations: int8`,
@@ -37,7 +39,7 @@ from ..disk_store import DiskStore
 from ..errors import Glm5Error
 from ..formats.int_groups import BITS, GROUP, GROUP_SIZES, fitting_group, nbytes, quantize
 from ..kernels import experts_triton, host_stage, moe_cpu
-from ..kernels.experts_from_host import host_matrices, routed_from_host
+from ..kernels.experts_from_host import GraphedSlots, host_matrices, routed_from_host
 from ..kernels.host_read import read_sum
 from ..model import Experts
 from ..util import cache_dir, is_positive_int, span, sync
@@ -180,6 +182,18 @@ class SplitSpeeds:
 
 
 _speeds: dict[tuple, SplitSpeeds] = {}
+AUTO_RUNS = 24  # decode tokens timed per count for decode_gpu_experts: auto
+AUTO_MARGIN = 0.97  # a count more on the GPU must take at most this much of the time of the best with fewer
+
+
+def fastest_split(medians: dict[int, float]) -> int:
+    """decode_gpu_experts: auto's pick from NumbaExperts.decode_split_times: the count with the least time, a count
+    more kept only if it beats the best with fewer by the margin (the GPU's share is not taken for noise)."""
+    best = 0
+    for n in sorted(medians):
+        if medians[n] < AUTO_MARGIN * medians[best]:
+            best = n
+    return best
 
 
 def split_speeds(layer: "NumbaExperts", device: torch.device) -> SplitSpeeds:
@@ -205,7 +219,7 @@ class NumbaExperts(nn.Module):
     def __init__(self, arrays: dict[str, np.ndarray], fmt: str, group: int, threads: int | None,
                  act_int8: bool = False, gpu_tokens: int | None = None, gpu_ring: int = DEPTH,
                  limit: float | None = None, pin: bool = True, split_tokens: int | None = SPLIT_TOKENS,
-                 decode_gpu_experts: int = 0):
+                 decode_gpu_experts: int | str = 0, top_k: int = 8):
         super().__init__()
         self.limit = limit  # SwiGLU's clamp (GLM-5.3-Flash)
         self.w13, self.s13, self.w2, self.s2 = (arrays[k] for k in ("w13", "s13", "w2", "s2"))
@@ -216,6 +230,7 @@ class NumbaExperts(nn.Module):
         self.split_tokens = split_tokens  # GPU chunks of fewer tokens: their lightest experts on the CPU cores too
         self.next_layer: NumbaExperts | None = None  # whose first experts a long chunk here prefetches (chain_layers)
         self.decode_gpu_experts = decode_gpu_experts  # a decode token's last slots the GPU runs from host memory
+        self.top_k = top_k  # the routed experts of a token (decode_gpu_experts: auto's counts are up to half of them)
         self.gpu_matrices: tuple | None = None  # w13, s13, w2, s2 as the GPU reads them in place (lock_for_gpu)
 
     def extra_repr(self) -> str:
@@ -229,6 +244,31 @@ class NumbaExperts(nn.Module):
         locked = all(page_locked(a) for a in self._packed().values())
         self.gpu_matrices = host_matrices(self.w13, self.s13, self.w2, self.s2) if locked else None
         return locked
+
+    def decode_split_times(self, runs: int = AUTO_RUNS) -> dict[int, float]:
+        """A decode token's experts (random input and choice, new each run) timed with 0 .. top_k // 2 of them on the
+        GPU, its part replayed from a CUDA graph as a decode step's is, the cores' part at once; the counts in turn
+        within each run (a host's drift falls on all): count -> median seconds."""
+        hidden, experts, k = self.w2.shape[1], self.w13.shape[0], self.top_k
+        graphed = lambda n: GraphedSlots(self.gpu_matrices, self.fmt, self.group, self.act_int8,  # noqa: E731
+                                         self.limit, k, n)
+        parts = {n: graphed(n) if n else None for n in range(k // 2 + 1)}
+        rng = np.random.default_rng(0)
+        times: dict[int, list[float]] = {n: [] for n in parts}
+        for run in range(runs + 1):  # the first warms the cores' kernel: left out
+            for n, part in parts.items():
+                x = rng.standard_normal((1, hidden), np.float32)
+                ids, weights = rng.permutation(experts)[None, :k], rng.random((1, k), np.float32)
+                if part:
+                    part.choose(x, ids, weights)
+                t0 = time.perf_counter()
+                if part:
+                    part.replay()
+                self._compute(x, np.ascontiguousarray(ids[:, :k - n]), np.ascontiguousarray(weights[:, :k - n]))
+                torch.cuda.synchronize()
+                if run:
+                    times[n].append(time.perf_counter() - t0)
+        return {n: float(np.median(seconds)) for n, seconds in times.items()}
 
     def _compute(self, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         return moe_cpu.moe_forward(self.fmt, self.group, self.w13, self.s13, self.w2, self.s2, x, ids, weights,
@@ -435,7 +475,8 @@ class NumbaExpertsOperator(ExpertsOperator):
     pinned buffers by a host thread), split_tokens (GPU chunks of fewer tokens give their lightest experts to the CPU
     cores at the same time; default 1024, null: never), in_memory (read the stored experts into memory at load: true,
     the default, or memory-map them: false), decode_gpu_experts (of a decode token's routed experts, how many the GPU
-    computes beside the cores, reading their weights from host memory, page-locked at load; default 0: none)."""
+    computes beside the cores, reading their weights from host memory, page-locked at load; default 0: none; auto:
+    the fastest count, timed at load, of 0 up to half the token's experts)."""
 
     def parse_kwargs(self, kwargs: dict) -> dict:
         k = {"format": "int8", "group_size": None, "threads": None, "cache_dir": None, "activations": "fp32",
@@ -462,9 +503,9 @@ class NumbaExpertsOperator(ExpertsOperator):
                 raise Glm5Error(f"{name} must be true or false, got {k[name]!r}")
         if k["split_tokens"] is not None and not is_positive_int(k["split_tokens"]):
             raise Glm5Error(f"split_tokens must be a positive number of tokens or null, got {k['split_tokens']!r}")
-        if type(k["decode_gpu_experts"]) is not int or k["decode_gpu_experts"] < 0:  # (not YAML's true or false)
-            raise Glm5Error("decode_gpu_experts must be a number of experts (0: none), got "
-                            f"{k['decode_gpu_experts']!r}")
+        n = k["decode_gpu_experts"]
+        if n != "auto" and (type(n) is not int or n < 0):  # (not YAML's true or false)
+            raise Glm5Error(f"decode_gpu_experts must be a number of experts (0: none) or auto, got {n!r}")
         return k
 
     def check(self, slot: Slot):
@@ -490,7 +531,9 @@ class NumbaExpertsOperator(ExpertsOperator):
         token routes to, or refused here), a decode token's gate, up, SwiGLU and sum of those experts there."""
         buffers = super().memory(slot, ctx)
         config, gpu_experts = ctx.config, slot.kwargs["decode_gpu_experts"]
-        if gpu_experts >= config.num_experts_per_tok:
+        if gpu_experts == "auto":
+            gpu_experts = config.num_experts_per_tok // 2
+        elif gpu_experts >= config.num_experts_per_tok:
             raise Glm5Error(f"decode_gpu_experts: {gpu_experts} leaves the CPU cores none of the "
                             f"{config.num_experts_per_tok} experts a token routes to; at most "
                             f"{config.num_experts_per_tok - 1}")
@@ -525,7 +568,7 @@ class NumbaExpertsOperator(ExpertsOperator):
                                  k["in_memory"])
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
                             k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"],
-                            k["decode_gpu_experts"])
+                            k["decode_gpu_experts"], config.num_experts_per_tok)
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
@@ -536,6 +579,17 @@ class NumbaExpertsOperator(ExpertsOperator):
             if locked < len(sharing):
                 log.warning("decode_gpu_experts: %d of %d layers' experts could not be page-locked: their decode "
                             "tokens run every expert on the CPU cores", len(sharing) - locked, len(sharing))
+        auto = [m for m in sharing if m.decode_gpu_experts == "auto"]
+        timed = next((m for m in auto if m.gpu_matrices is not None), None)
+        chosen = 0
+        if timed is not None:
+            medians = timed.decode_split_times()
+            chosen = fastest_split(medians)
+            log.info("decode_gpu_experts: auto runs %d of a decode token's %d experts on the GPU (a token's ms with "
+                     "0, 1, ... of them there: %s)", chosen, timed.top_k,
+                     ", ".join(f"{t * 1e3:.2f}" for t in medians.values()))
+        for m in auto:  # (0 where the experts are not page-locked: no GPU, or a refusal)
+            m.decode_gpu_experts = chosen if m.gpu_matrices is not None else 0
         for problem in (bound_by_openmp(), slow_threading_layer()):
             if problem:
                 log.warning("%s", problem)
