@@ -85,7 +85,7 @@ def load_model(model_dir: str | Path, device: str | None = None, dtype: torch.dt
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else {}
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in tied}
     checkpoint = Checkpoint(model_dir, config, expected, aliases=tied)
-    ctx = BuildContext(config, dtype, model_dir, kv_dtype)
+    ctx = BuildContext(config, dtype, model_dir, kv_dtype, placement.slots["model.embed_tokens"].device)
     slots = list(placement.slots.values())
     for slot in tqdm(slots, desc="loading", unit="module", disable=None):
         try:

@@ -114,6 +114,16 @@ def test_only_cpu_experts_on_a_gpu_model_decode_from_graphs(hf_checkpoint, tmp_p
     assert Engine(model).use_graphs is False
 
 
+def test_auto_gpu_experts_under_a_stream_on_the_cpu_lock_and_time_nothing(hf_checkpoint, tmp_path):
+    """decode_gpu_experts: auto (as the shipped rules say) where the rules keep the residual stream on the CPU
+    (--device cpu): planned and built as 0, on a machine with a GPU as without: no page-locking, no timing."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    rules = cpu_expert_rules(tmp_path / "rules.yaml", "cpu", experts_kwargs=", decode_gpu_experts: auto")
+    model = load_model(path, dtype=torch.float32, rules=rules, max_seq_len=128)
+    moe = [model.model.layers[i].mlp.experts for i in model.config.moe_layers]
+    assert [(experts.decode_gpu_experts, experts.gpu_matrices) for experts in moe] == [(0, None)] * len(moe)
+
+
 @pytest.mark.gpu
 def test_a_decode_tokens_gpu_slots_from_graphs_match_the_forward(hf_checkpoint, tmp_path):
     """decode_gpu_experts: 1 of the tiny model's 2 slots, read by the GPU from the page-locked experts: steps from

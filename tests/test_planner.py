@@ -87,22 +87,23 @@ def test_gpu_ring_sets_the_experts_held_on_the_gpu(tmp_path):
     assert device(ring, "cuda").workspace - device(base, "cuda").workspace == (256 - DEPTH) * packed
 
 
-@pytest.mark.parametrize("count, planned", [(3, 3), ("auto", 4)])
-def test_decode_gpu_experts_plan_their_gpu_workspace(tmp_path, count, planned):
+@pytest.mark.parametrize("count, stream, planned", [(3, "cuda", 3), ("auto", "cuda", 4), ("auto", "cpu", 0)])
+def test_decode_gpu_experts_plan_their_gpu_workspace(tmp_path, count, stream, planned):
     """decode_gpu_experts under the shipped rules (residual stream on the GPU): the plan holds, and the experts'
     operator declares the GPU's fp32 gate, up and SwiGLU rows of those experts and the token's sum (auto: of up to
-    half a token's 8)."""
+    half a token's 8; none with the stream on the CPU, --device cpu, where a count is refused)."""
     from glm5_offload.ops.base import Buffer, PlanContext
 
-    text = resolve_rules_path("glm5").read_text().replace("gpu_tokens: 64",
-                                                          f"gpu_tokens: 64, decode_gpu_experts: {count}")
-    (tmp_path / "split.yaml").write_text(text)
+    text = resolve_rules_path("glm5").read_text()
+    assert "decode_gpu_experts: auto" in text
+    (tmp_path / "split.yaml").write_text(text.replace("decode_gpu_experts: auto", f"decode_gpu_experts: {count}"))
     config = load_config("glm-5.2")
-    placement = place(meta_model("glm-5.2"), load_rules(tmp_path / "split.yaml"))
+    placement = place(meta_model("glm-5.2"), load_rules(tmp_path / "split.yaml"), None if stream == "cuda" else stream)
     make_plan(config, placement, 4096, {"cuda": 24 * GiB, "cpu": 512 * GiB})
     slot = next(s for s in placement.slots.values() if s.op is not None and s.op.name == "experts.numba")
-    ctx = PlanContext(config, torch.bfloat16, 4096, None, None, 2048, "cuda")
-    assert Buffer("cuda", "workspace", 4 * (planned * 3 * 2048 + 6144)) in slot.op.memory(slot, ctx)
+    ctx = PlanContext(config, torch.bfloat16, 4096, None, None, 2048, stream)
+    on_gpu = [b for b in slot.op.memory(slot, ctx) if b.device == "cuda" and b.shared is None]  # (not the ring)
+    assert on_gpu == ([Buffer("cuda", "workspace", 4 * (planned * 3 * 2048 + 6144))] if planned else [])
 
 
 def test_glm5_fp8_at_200k_tokens():

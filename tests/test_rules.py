@@ -183,8 +183,9 @@ def test_group_sizes_that_do_not_divide_are_chosen_or_refused(tmp_path):
     p = placement(config, "glm5")  # 2112 = 64 x 33: the experts take groups of 64
     assert p.slots["model.layers.3.mlp.experts"].op.format(p.slots["model.layers.3.mlp.experts"], None) == "int4/g64"
     shipped = Path(load_rules("glm5").path).read_text()
-    assert "kwargs: {format: int4, activations: int8, gpu_tokens: 64}" in shipped
-    asked = write(tmp_path, shipped.replace("kwargs: {format: int4, activations: int8, gpu_tokens: 64}",
+    kwargs = "kwargs: {format: int4, activations: int8, gpu_tokens: 64, decode_gpu_experts: auto}"
+    assert kwargs in shipped
+    asked = write(tmp_path, shipped.replace(kwargs,
                                             "kwargs: {format: int4, group_size: 128}"), "asked.yaml")
     with pytest.raises(Glm5Error, match=r"asked.yaml: rule 2: experts.numba on model.layers.3.mlp.experts: group_size "
                                         r"128 does not divide the inputs \(6144, 2112\): use group_size 64 or 32, or "

@@ -79,6 +79,7 @@ VARIANTS = {  # the README's and the rule files' advice, each on rules/glm5.yaml
     "slabs": ("window: 512}", "window: 512, prefill_rows: 256}"),  # a staging buffer smaller than the prompt
     "int4": ("{format: fp8}", "{format: int4}"),  # projections and lm_head in int4 ("halves them again")
     "staged": ("gpu_tokens: 64", "gpu_tokens: 64, pin_experts: false"),  # the stream through pinned buffers
+    "split": ("decode_gpu_experts: auto", "decode_gpu_experts: 1"),  # what auto keeps where the GPU's share pays
 }
 
 

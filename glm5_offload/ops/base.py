@@ -76,6 +76,7 @@ class BuildContext:
     dtype: torch.dtype
     model_dir: Path
     kv_dtype: str | None  # --kv-dtype fp8: every layer's cache in the FP8 forms
+    stream_device: str  # where the residual stream lives (the embedding's device)
 
 
 @dataclass(frozen=True)
