@@ -466,11 +466,16 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def main(argv=None) -> int:
-    # the engine's own messages from INFO up; other libraries' from WARNING (torch logs cache statistics at INFO as
-    # a process exits, which a Ctrl-C during its import would print after "interrupted")
+def show_engine_log():
+    """The engine's own messages from INFO up on stderr (e.g. decode_gpu_experts: auto's choice); other libraries'
+    from WARNING (torch logs cache statistics at INFO as a process exits, which a Ctrl-C during its import would print
+    after "interrupted")."""
     logging.basicConfig(level=logging.WARNING, format="glm5: %(message)s", stream=sys.stderr)
     logging.getLogger("glm5_offload").setLevel(logging.INFO)
+
+
+def main(argv=None) -> int:
+    show_engine_log()
     args = build_parser().parse_args(argv)
     # SIGTERM (kill, systemd, docker stop) ends the command as an exit does: its cleanups run (serve keeps its
     # context, make-tiny removes its unfinished folder), where the default action would end the process at once

@@ -29,7 +29,6 @@ bandwidth); and the first checkpoint's last-context prefill, from its synchronis
 import argparse
 import dataclasses
 import json
-import logging
 import multiprocessing
 import os
 import shutil
@@ -49,6 +48,7 @@ from glm5_offload.benchmark import (experts_alone, experts_huge_pages, experts_r
                                     generate_split, prefill_projection, prefill_split, random_prompt,
                                     recorded_experts, replayed_seconds, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
+from glm5_offload.cli import show_engine_log
 from glm5_offload.config import load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
@@ -232,17 +232,12 @@ def link_experts(model_dir: Path, others: list[Path], fmt: tuple) -> None:
 
 
 def in_own_process(fn, *args):
-    """fn(*args) in a fresh process (spawned: no CUDA context, allocator caches or memory maps of earlier loads), as
-    a user's process loads one model. Loads after earlier 1M-context loads in the same process ran their CPU experts
-    up to 1.5x slower (H200 machine, sessions 29-30); each in a process of its own, not."""
+    """fn(*args) in a fresh process (spawned: no CUDA context, allocator caches or memory maps of earlier loads; the
+    engine's INFO lines on stderr, as `glm5` shows them), as a user's process loads one model. Loads after earlier
+    1M-context loads in the same process ran their CPU experts up to 1.5x slower (H200 machine, sessions 29-30); each
+    in a process of its own, not."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=show_engine_log) as pool:
         return pool.submit(fn, *args).result()
-
-
-def show_engine_log():
-    """The engine's INFO lines on stderr (decode_gpu_experts: auto's choice), as `glm5` shows them."""
-    logging.basicConfig(level=logging.WARNING, format="glm5: %(message)s", stream=sys.stderr)
-    logging.getLogger("glm5_offload").setLevel(logging.INFO)
 
 
 def trial_ms(result: dict) -> float:
