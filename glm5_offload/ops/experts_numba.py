@@ -525,14 +525,20 @@ class NumbaExpertsOperator(ExpertsOperator):
     def weight_bytes(self, slot: Slot, dtype: torch.dtype) -> int:
         return nbytes(sum(t.numel() for t in slot.own_tensors().values()), *self.packing(slot, dtype))
 
+    @staticmethod
+    def decode_gpu_experts(slot: Slot, stream_device: str) -> int | str:
+        """The rule's decode_gpu_experts for a residual stream on stream_device: auto means none off a GPU."""
+        n = slot.kwargs["decode_gpu_experts"]
+        return 0 if n == "auto" and not stream_device.startswith("cuda") else n
+
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """With gpu_tokens, on the GPU of the residual stream: the expert ring (one per format, group and depth,
         shared by the layers) and one expert dequantised at a time; with decode_gpu_experts (fewer than the experts a
         token routes to, or refused here), a decode token's gate, up, SwiGLU and sum of those experts there."""
         buffers = super().memory(slot, ctx)
-        config, gpu_experts = ctx.config, slot.kwargs["decode_gpu_experts"]
-        if gpu_experts == "auto":  # (none where the residual stream is not on a GPU)
-            gpu_experts = config.num_experts_per_tok // 2 if ctx.stream_device.startswith("cuda") else 0
+        config, gpu_experts = ctx.config, self.decode_gpu_experts(slot, ctx.stream_device)
+        if gpu_experts == "auto":
+            gpu_experts = config.num_experts_per_tok // 2
         elif gpu_experts >= config.num_experts_per_tok:
             raise Glm5Error(f"decode_gpu_experts: {gpu_experts} leaves the CPU cores none of the "
                             f"{config.num_experts_per_tok} experts a token routes to; at most "
@@ -560,9 +566,6 @@ class NumbaExpertsOperator(ExpertsOperator):
             # placement may be planned on another machine than the one that runs it
             raise Glm5Error(f"threads: {k['threads']} is more than the {numba.config.NUMBA_NUM_THREADS} cores numba "
                             "may use in this process (NUMBA_NUM_THREADS)")
-        gpu_experts = k["decode_gpu_experts"]
-        if gpu_experts == "auto" and not ctx.stream_device.startswith("cuda"):
-            gpu_experts = 0  # (the residual stream off the GPU: the plan counted none)
         fmt, group = self.packing(slot, ctx.dtype)
         store = expert_store(Path(k["cache_dir"] or cache_dir() / "experts"), ctx.model_dir, fmt, group)
         arrays = store.load(slot.name, k["in_memory"])
@@ -571,7 +574,7 @@ class NumbaExpertsOperator(ExpertsOperator):
                                  k["in_memory"])
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
                             k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"],
-                            gpu_experts, config.num_experts_per_tok)
+                            self.decode_gpu_experts(slot, ctx.stream_device), config.num_experts_per_tok)
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
