@@ -531,4 +531,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    try:
+        sys.exit(0 if main() else 1)
+    except Glm5Error as e:  # a bad preset, config or placement, here or in a load's own process: one line
+        sys.exit(f"bench_e2e: {e}")

@@ -6,6 +6,7 @@ process of its own."""
 import itertools
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,6 +180,17 @@ def test_repeats_keep_the_median_load_whole(capsys):
     with pytest.raises(SystemExit):
         bench_e2e.main(["--dir", "unused", "--decode-gpu-experts", "fast"])
     assert "--decode-gpu-experts: a number of experts or auto, got 'fast'" in capsys.readouterr().err
+
+
+def test_a_bad_preset_is_one_line(tmp_path):
+    """The engine's errors (here the config's; a load's plan refusal arrives the same way from its process) end the
+    script with one line, not a traceback."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(bench_e2e.__file__).parent.parent), "bench"])}
+    proc = subprocess.run([sys.executable, bench_e2e.__file__, "--dir", str(tmp_path / "g"), "--preset", "nonsense"],
+                          env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("bench_e2e: nonsense: no such config file (or preset: ") and \
+        proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_each_load_runs_in_a_process_of_its_own():
