@@ -187,9 +187,10 @@ KERNELS = [
      dict(BLOCK=8192, BLOCK_K=8)),
     *((x._rows_kernel, {"x_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": w_type, "values_ptr": values,
                         "scales_ptr": "*fp32", "out_ptr": "*fp32", "first": "i32", "slots": "i32", "R": "i32",
-                        "K": "i32", **K("FMT G NG BLOCK_R SUM")}, dict(FMT=fmt, G=128, NG=ng, BLOCK_R=8, SUM=summed))
-      for fmt, values, ng, w_type, summed in ((2, "*u8", 8, "*fp32", False), (1, "*i8", 4, "*bf16", True),
-                                              (0, "*i16", 2, "*fp32", True))),
+                        "K": "i32", **K("FMT G NG BLOCK_R SUM")},
+       dict(FMT=fmt, G=128, NG=x.TILE[2] * 8 // (128 * bits), BLOCK_R=x.TILE[0], SUM=summed))  # the shipped tile
+      for fmt, values, bits, w_type, summed in ((2, "*u8", 4, "*fp32", False), (1, "*i8", 8, "*bf16", True),
+                                                (0, "*i16", 16, "*fp32", True))),
 ]
 NATIVE = fp8_tile(BLOCK_M=64, BLOCK_N=128, ACT_FP8=True, FP8_HW=True)  # FP8 hardware: sm89 and up
 HW = [(89, l._fp8_kernel, {**fp8_linear, "x_ptr": "*u8"}, NATIVE),
