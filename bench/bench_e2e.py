@@ -39,12 +39,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import bench_peer
+import ceilings
 import torch
 from bench_context import fill
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm5_offload.benchmark import (experts_alone, experts_huge_pages, experts_replayed, format_table,
+from glm5_offload.benchmark import (experts_alone, experts_huge_pages, experts_replayed, format_table, gpu_experts,
                                     generate_split, prefill_projection, prefill_split, random_prompt,
                                     recorded_experts, replayed_seconds, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
@@ -143,13 +144,17 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
         # measures it already where the experts are on the CPU)
         read = (result.get("host_bound") or {}).get("host_read_gb_s") or read_bandwidth_gb_s()
         result["read_gb_s"] = read
+        result["gpu_experts"] = gpu = gpu_experts(model)  # read over the GPU's bus beside the cores: the bus's
+        result["bus_read_gb_s"] = ceilings.pinned_h2d_gb_s() if gpu else None  # read joins the bound
         experts_ms = (result["graph_split_ms_per_token"] or {}).get("experts")
         if fmt and experts_ms:  # (loads' experts have differed by 25% at one read: huge pages named to compare)
             gb_s = nbytes(model.config.active_expert_weights, *fmt) / experts_ms / 1e6
             pages = experts_huge_pages(model)
             huge = f" ({pages[1] / pages[0]:.0%} of their memory in huge pages)" if pages and pages[0] else ""
+            bus = (f"; the GPU read {gpu} of a token's {model.config.num_experts_per_tok} over its bus (pinned copy "
+                   f"{result['bus_read_gb_s']:.0f} GB/s)") if gpu else ""
             print(f"host read after the decode {read:.0f} GB/s; the experts in the step read {gb_s:.0f} GB/s, "
-                  f"{gb_s / read:.0%} of it{huge}", flush=True)
+                  f"{gb_s / read:.0%} of it{huge}{bus}", flush=True)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -256,13 +261,16 @@ def median_trial(trials: list[tuple[dict, tuple | None]]) -> tuple[dict, tuple |
 
 def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_gb_s: list[float],
                layer: list[dict] | None = None, basis: str = "marginal",
-               shared: list[dict] | None = None) -> list[dict]:
+               shared: list[dict] | None = None, bus_gb_s: list[float | None] | None = None) -> list[dict]:
     """Decode per token of each target: the fixed part plus its MoE layers times one MoE layer's step where two
     layer counts were measured (`layer`: step_parts' or marginal_layer's rows, named by `basis`; `shared`: the same
     for a MoE layer that is an IndexShare shared layer, which reuses the selection below it, taken for a target's
     shared MoE layers), else the whole measured step per MoE layer (conservative). A step cheaper than its experts'
     bytes at the read bandwidth is the runs' noise, not a speed: that row takes the conservative basis (and says so).
-    A context beyond a target's max_position_embeddings has no row. read_gb_s: the host's read, per context."""
+    A context beyond a target's max_position_embeddings has no row. read_gb_s: the host's read (the cores'), per
+    context: the bound; bus_gb_s: where the GPU read some of a token's experts over its bus (decode_gpu_experts), its
+    pinned copy's speed, per context: then the bytes may come faster than the cores' read, never faster than the two
+    reads' sum (the noise's line; `bus_bound_tok_s`)."""
     rows = []
     for target in TARGETS:
         config = load_config(target)
@@ -271,19 +279,24 @@ def projection(results: list[dict], measured_moe: int, fmt: tuple | None, read_g
         for i, r in enumerate(results):
             if r["context"] > config.max_position_embeddings:  # GLM-5 at 1M: only GLM-5.2 reaches it
                 continue
-            bound_ms = None if fmt is None else nbytes(config.active_expert_weights, *fmt) / read_gb_s[i] / 1e6
+            bound_ms = bus_ms = None
+            if fmt is not None:
+                bound_ms = bus_ms = nbytes(config.active_expert_weights, *fmt) / read_gb_s[i] / 1e6
+                if bus_gb_s and bus_gb_s[i]:
+                    bus_ms = bound_ms * read_gb_s[i] / (read_gb_s[i] + bus_gb_s[i])
             ms, name = r["decode_ms_per_token"] * moe / measured_moe, "whole step"
             if layer:
                 steps = full * layer[i]["moe_layer_ms"] + ((moe - full) * shared[i]["moe_layer_ms"] if full < moe
                                                            else 0.0)
-                if bound_ms is not None and steps < bound_ms:
+                if bus_ms is not None and steps < bus_ms:
                     name = f"whole step ({basis} below the bound: noise)"
                 else:
                     ms, name = layer[i]["fixed_ms"] + steps, basis + (", IndexShare" if full < moe else "")
             rows.append({"target": target, "context": r["context"], "measured_ms_per_token": r["decode_ms_per_token"],
                          "basis": name, "projected_ms_per_token": ms, "projected_tok_s": 1e3 / ms,
                          "bound_tok_s": None if bound_ms is None else 1e3 / bound_ms,
-                         "of_bound": None if bound_ms is None else bound_ms / ms})
+                         "of_bound": None if bound_ms is None else bound_ms / ms,
+                         "bus_bound_tok_s": None if bus_ms == bound_ms else 1e3 / bus_ms})
     return rows
 
 
@@ -494,21 +507,29 @@ def main(argv=None):
     if not args.prefill_only:  # per context, the median of the reads measured in the loads' processes
         read_gb_s = [statistics.median(r["read_gb_s"] for at_context in loads.values() for r in at_context[i])
                      for i in range(len(results))]
+        bus_gb_s = [max((r.get("bus_read_gb_s") or 0.0 for at_context in loads.values() for r in at_context[i]),
+                        default=0.0) or None for i in range(len(results))]  # (the fastest: the noise's line)
         first = next(iter(pairs), None)  # the layer kind the fixed part is taken with
         layer, basis = (in_parts, "parts") if in_parts else (marginal, "marginal")
-        rows = projection(results, measured_moe, fmt, read_gb_s, layer.get(first), basis, layer.get("shared"))
+        rows = projection(results, measured_moe, fmt, read_gb_s, layer.get(first), basis, layer.get("shared"),
+                          bus_gb_s)
         if in_parts:  # the difference of the median loads beside it
             rows += projection(results, measured_moe, fmt, read_gb_s, marginal[first], "marginal",
-                               marginal.get("shared"))
+                               marginal.get("shared"), bus_gb_s)
         how = (f"fixed part + one MoE layer's step{' in parts' if in_parts else ''} per MoE layer" if first
                else "the whole step per MoE layer")
+        bus = any(bus_gb_s)
         print(f"\nprojection: {layers}-layer checkpoint ({measured_moe} MoE), experts {fmt}, host read (the median of "
-              f"the loads') {' / '.join(f'{r:.0f}' for r in read_gb_s)} GB/s; {how}")
+              f"the loads') {' / '.join(f'{r:.0f}' for r in read_gb_s)} GB/s; {how}"
+              + (f"; the GPU's bus (pinned copy) {' / '.join(f'{b or 0:.0f}' for b in bus_gb_s)} GB/s" if bus else ""))
         print("| model | context | measured ms/token | basis | projected ms/token | tok/s | host-BW bound tok/s | "
-              "of bound |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              "of bound |" + (" bound with the GPU's bus read tok/s | of it |" if bus else ""))
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if bus else ""))
         for p in rows:
             bound = "- | -" if p["bound_tok_s"] is None else f"{p['bound_tok_s']:.1f} | {p['of_bound']:.0%}"
+            if bus:
+                b = p["bus_bound_tok_s"]
+                bound += " | - | -" if b is None else f" | {b:.1f} | {p['projected_tok_s'] / b:.0%}"
             print(f"| {p['target']} | {p['context']} | {p['measured_ms_per_token']:.2f} | {p['basis']} | "
                   f"{p['projected_ms_per_token']:.0f} | {p['projected_tok_s']:.2f} | {bound} |")
     prefill_rows = [] if args.filled else prefill_projection(results[-1]["prefill_split_s"], configs[counts[0]])

@@ -1,7 +1,7 @@
 """GLM-5.3-Flash on the GPU machine: KDA against fla-core's own kernel, then a Flash-shaped checkpoint end to end.
 
     PYTHONPATH=.:bench python3 bench/bench_flash.py --dir /tmp/flash [--contexts 4096,131072] [--layers 2]
-        [--kda-only] [--json FILE]
+        [--kda-only] [--decode-gpu-experts N|auto] [--json FILE]
 
 KDA (real dims: 64 heads x 128, bf16 projections): fla-core's chunk_kda alone (on normalised q, k and decays, as
 kda.fla calls it), our whole KDA layer (projections, convolutions, chunk_kda, gated norm, o_proj) and the
@@ -39,6 +39,7 @@ from glm5_offload.runtime.engine import Engine
 from glm5_offload.tiny import make_tiny
 
 import ceilings
+from bench_e2e import count_or_auto, with_kwargs
 
 
 def kda_layer(config) -> FlaKDA:
@@ -102,6 +103,8 @@ def main(argv=None):
     parser.add_argument("--prefill-chunk", type=int, default=16384)
     parser.add_argument("--kda-tokens", default="4096,65536")
     parser.add_argument("--kda-only", action="store_true")
+    parser.add_argument("--decode-gpu-experts", type=count_or_auto,
+                        help="experts.numba's decode_gpu_experts in the rules (theirs: auto); 0: the cores alone")
     parser.add_argument("--discard", action="store_true", help="delete the checkpoint afterwards")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -117,6 +120,9 @@ def main(argv=None):
                 "indexer_types": ["full"] * n, "mlp_layer_types": ["sparse"] * n})
             results["write_s"] = time.time() - t0
         rules = load_rules("glm5-flash")
+        if args.decode_gpu_experts is not None:
+            rules = with_kwargs(rules, "experts.numba", {"decode_gpu_experts": args.decode_gpu_experts},
+                                "--decode-gpu-experts")
         results["contexts"] = []
         for context in (int(c) for c in args.contexts.split(",")):
             max_seq_len = context + 2 * args.new_tokens

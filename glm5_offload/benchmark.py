@@ -249,9 +249,14 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: f
             "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,
             "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9),
             "experts_replayed_ms_per_token": replayed_ms,
-            "experts_per_token": model.config.num_experts_per_tok,
-            "gpu_experts": max((m.decode_gpu_experts for m in model.modules()  # read by the GPU (decode_gpu_experts)
-                                if isinstance(m, NumbaExperts) and m.gpu_matrices is not None), default=0)}
+            "experts_per_token": model.config.num_experts_per_tok, "gpu_experts": gpu_experts(model)}
+
+
+def gpu_experts(model) -> int:
+    """How many of a decode token's experts the GPU reads from host memory over its bus (decode_gpu_experts, where
+    its layers' experts are page-locked; auto's count once linked); 0: the cores read them all."""
+    return max((m.decode_gpu_experts for m in model.modules() if isinstance(m, NumbaExperts)
+                and m.gpu_matrices is not None), default=0)
 
 
 def saved_context_seconds(engine: Engine) -> dict:

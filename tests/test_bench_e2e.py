@@ -35,6 +35,21 @@ def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
         assert row["basis"].startswith("whole step") and row["projected_ms_per_token"] == 6.0 * 75
 
 
+def test_with_the_gpus_bus_read_a_step_may_beat_the_cores_read_not_both_reads():
+    """decode_gpu_experts: the GPU reads some of a token's experts over its bus beside the cores, so a step faster
+    than the cores' read is a speed, not noise; faster than the two reads' sum it is still noise."""
+    results = [{"context": 4096, "decode_ms_per_token": 6.0}]
+    fmt, read, bus = ("int4", 128), [100.0], [50.0]  # the 1.6 ms of a GLM-5 layer's experts at 100 GB/s: 1.07 at 150
+    beyond_cores = bench_e2e.projection(results, 1, fmt, read, [{"fixed_ms": 1.0, "moe_layer_ms": 1.4}], bus_gb_s=bus)
+    for row in beyond_cores:
+        assert row["basis"] == "marginal" and row["projected_ms_per_token"] == pytest.approx(1.0 + 75 * 1.4)
+        assert row["of_bound"] > 1 and row["bus_bound_tok_s"] == pytest.approx(row["bound_tok_s"] * 1.5)
+    for row in bench_e2e.projection(results, 1, fmt, read, [{"fixed_ms": 1.0, "moe_layer_ms": 1.0}], bus_gb_s=bus):
+        assert row["basis"].startswith("whole step") and row["projected_ms_per_token"] == 6.0 * 75
+    for row in bench_e2e.projection(results, 1, fmt, read, [{"fixed_ms": 1.0, "moe_layer_ms": 1.4}]):
+        assert row["basis"].startswith("whole step") and row["bus_bound_tok_s"] is None  # the cores alone
+
+
 def test_the_marginal_layer_and_each_processs_experts_alone():
     """One more MoE layer from two checkpoints' runs: its step, its experts in the step, their ratio, the fixed rest,
     and each run's experts timed alone in its own process, per MoE layer (a filled run's, or glm5 bench's)."""
@@ -202,11 +217,12 @@ def test_each_load_runs_in_a_process_of_its_own():
         bench_e2e.in_own_process(int, "not a number")
 
 
-def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None):
+def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None, bus=None):
     """Configs of a 2- and a 3-layer cut of the tiny model (1 and 2 MoE layers; with shared_rest, a 3-layer one whose
     last layer is an IndexShare shared layer: all main reads of them) and bench_context faked: each load's step is
     0.5 ms + per MoE layer its experts (the next of `experts`) + 0.3 ms of rest (a shared layer's: shared_rest), and
-    its host read after the decode 90, 100, 140, 100, 95, 130 GB/s in turn."""
+    its host read after the decode 90, 100, 140, 100, 95, 130 GB/s in turn (bus: the GPU's pinned copy GB/s, where
+    it read some experts)."""
     import json
 
     from glm5_offload.tiny import make_tiny
@@ -228,7 +244,8 @@ def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None):
                                                                  else 0.3]
         return ({"context": context, "decode_ms_per_token": 0.5 + sum(e + r for r in layers),
                  "graph_split_ms_per_token": {"experts": len(layers) * e},
-                 "experts_alone_ms_per_token": len(layers) * 1.9, "read_gb_s": next(reads)}, ("int4", 128))
+                 "experts_alone_ms_per_token": len(layers) * 1.9, "read_gb_s": next(reads),
+                 "bus_read_gb_s": bus}, ("int4", 128))
 
     monkeypatch.setattr(bench_e2e, "in_own_process", fake_load)
 
@@ -248,6 +265,24 @@ def test_main_projects_from_the_step_in_parts(tmp_path, monkeypatch, capsys):
     assert [len(loads) for loads in saved["loads"].values()] == [1, 1] and len(saved["loads"]["2"][0]) == 3
     assert saved["step_parts"]["full"][0]["moe_layer_ms"] == pytest.approx(2.375)
     assert saved["read_gb_s"] == [100.0] and "host read (the median of the loads') 100 GB/s" in out  # of the six
+
+
+def test_main_prints_the_bound_with_the_gpus_bus_read_where_the_gpu_read_experts(tmp_path, monkeypatch, capsys):
+    """A step faster than the cores' read (1.2 + 0.3 ms a GLM-5 layer against 1.61 ms at 100 GB/s) is projected where
+    the GPU read experts over its bus (60 GB/s: the bytes may come in 1.0 ms), beside both bounds; without the bus
+    it is the runs' noise."""
+    fake_checkpoints(tmp_path, monkeypatch, [1.2] * 6, bus=60.0)
+    bench_e2e.main(["--dir", str(tmp_path), "--layers", "2,3", "--contexts", "4096", "--filled", "--repeats", "3"])
+    out = capsys.readouterr().out
+    assert "; the GPU's bus (pinned copy) 60 GB/s" in out and "| bound with the GPU's bus read tok/s | of it |" in out
+    bound = 100e9 / bench_e2e.nbytes(bench_e2e.load_config("glm-5").active_expert_weights, "int4", 128)
+    ms = 0.5 + 75 * 1.5
+    assert (f"| glm-5 | 4096 | 2.00 | parts | {ms:.0f} | {1e3 / ms:.2f} | {bound:.1f} | {1e3 / ms / bound:.0%} | "
+            f"{bound * 1.6:.1f} | {1e3 / ms / bound / 1.6:.0%} |") in out
+    fake_checkpoints(tmp_path / "cores", monkeypatch, [1.2] * 6)
+    bench_e2e.main(["--dir", str(tmp_path / "cores"), "--layers", "2,3", "--contexts", "4096", "--filled"])
+    out = capsys.readouterr().out
+    assert "| glm-5 | 4096 | 2.00 | whole step (parts below the bound: noise) |" in out and "bus" not in out
 
 
 def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, monkeypatch, capsys):
