@@ -39,14 +39,13 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import bench_peer
-import ceilings
 import torch
 from bench_context import fill
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm5_offload.benchmark import (experts_alone, experts_huge_pages, experts_replayed, format_table, gpu_experts,
-                                    generate_split, prefill_projection, prefill_split, random_prompt,
+from glm5_offload.benchmark import (bus_read_gb_s, experts_alone, experts_huge_pages, experts_replayed, format_table,
+                                    generate_split, gpu_experts, prefill_projection, prefill_split, random_prompt,
                                     recorded_experts, replayed_seconds, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.cli import show_engine_log
@@ -145,7 +144,8 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
         read = (result.get("host_bound") or {}).get("host_read_gb_s") or read_bandwidth_gb_s()
         result["read_gb_s"] = read
         result["gpu_experts"] = gpu = gpu_experts(model)  # read over the GPU's bus beside the cores: the bus's
-        result["bus_read_gb_s"] = ceilings.pinned_h2d_gb_s() if gpu else None  # read joins the bound
+        result["bus_read_gb_s"] = ((result.get("host_bound") or {}).get("bus_read_gb_s") or bus_read_gb_s(model.device)
+                                   if gpu else None)  # read joins the bound
         experts_ms = (result["graph_split_ms_per_token"] or {}).get("experts")
         if fmt and experts_ms:  # (loads' experts have differed by 25% at one read: huge pages named to compare)
             gb_s = nbytes(model.config.active_expert_weights, *fmt) / experts_ms / 1e6

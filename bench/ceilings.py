@@ -2,6 +2,8 @@
 
 import torch
 
+from glm5_offload.benchmark import bus_read_gb_s
+
 
 def time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
     """Median milliseconds of fn() on the current CUDA device, timed with events."""
@@ -54,9 +56,7 @@ def hbm_copy_gb_s(n_bytes: int = 4 << 30) -> float:
 
 def pinned_h2d_gb_s(n_bytes: int = 1 << 30) -> float:
     """The copy engine's speed from pinned host memory to the GPU: the GPU's read of host memory over its bus."""
-    src = torch.empty(n_bytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    return n_bytes / time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e6
+    return bus_read_gb_s(torch.device("cuda"), n_bytes)
 
 
 def bf16_matmul_tflops(n: int = 8192) -> float:

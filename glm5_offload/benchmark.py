@@ -227,11 +227,29 @@ def experts_huge_pages(model) -> tuple[int, int] | None:
                        for name in ("w13", "s13", "w2", "s2")])
 
 
+def bus_read_gb_s(device: torch.device, n_bytes: int = 1 << 28, copies: int = 10) -> float:
+    """The GPU's read of page-locked host memory over its bus: GB/s of the median of `copies` copies of n_bytes into
+    device by the copy engine, timed with CUDA events."""
+    src = torch.empty(n_bytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    ms = []
+    for i in range(copies + 1):  # the first warms the path: left out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i:
+            ms.append(start.elapsed_time(end))
+    return n_bytes / float(np.median(ms)) / 1e6
+
+
 def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: float | None = None) -> dict | None:
     """The routed experts' bytes per decode token, the host's read bandwidth, the tok/s they bound decode at and the
     measured decode's fraction of it, numba's threads and threading layer (workqueue: half OpenMP's speed), the
     experts timed alone (experts_alone; replayed_ms: experts_replayed's), how many of a token's experts the GPU
-    reads instead (decode_gpu_experts, where its layers' experts are page-locked), and
+    reads instead (decode_gpu_experts, where its layers' experts are page-locked) with its bus's read and the bound
+    of both reads together (no faster can the bytes come), and
     the bytes of the memory holding the CPU experts in huge pages (a 4 KiB page a TLB entry slows their read:
     checkpoint.read_into_memory asks for 2 MiB ones); None where the experts are not all on the CPU."""
     model = engine.model
@@ -243,13 +261,17 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: f
     bound = read * 1e9 / plan.active_expert_bytes
     alone_ms = experts_alone(model)
     pages = experts_huge_pages(model)
+    gpu = gpu_experts(model)
+    bus = bus_read_gb_s(model.device) if gpu else None
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
             "experts_threads": numba.get_num_threads(), "threading_layer": numba.threading_layer(),
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
             "experts_huge_page_bytes": pages and pages[1], "experts_alone_ms_per_token": alone_ms,
             "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9),
             "experts_replayed_ms_per_token": replayed_ms,
-            "experts_per_token": model.config.num_experts_per_tok, "gpu_experts": gpu_experts(model)}
+            "experts_per_token": model.config.num_experts_per_tok, "gpu_experts": gpu, "bus_read_gb_s": bus,
+            "bus_bound_tok_s": bus and (read + bus) * 1e9 / plan.active_expert_bytes,
+            "of_bus_bound": bus and decode_tok_s / ((read + bus) * 1e9 / plan.active_expert_bytes)}
 
 
 def gpu_experts(model) -> int:
@@ -303,8 +325,11 @@ def format_table(r: dict) -> str:
                      f"{bound['of_bound']:.1%} of it; the experts on {bound['experts_threads']} threads (numba's "
                      f"{bound['threading_layer']} layer)")
         if bound.get("gpu_experts"):
+            both = bound.get("bus_bound_tok_s")
             lines.append(f"  of each token's {bound['experts_per_token']} experts the GPU read {bound['gpu_experts']} "
-                         "over its bus (decode_gpu_experts): the bound above is the cores' read alone")
+                         "over its bus (decode_gpu_experts): the bound above is the cores' read alone"
+                         + (f"; with the bus's {bound['bus_read_gb_s']:.1f} GB/s (a pinned copy) beside it {both:.1f} "
+                            f"tok/s, decode {bound['of_bus_bound']:.1%} of it" if both else ""))
         if bound["experts_alone_ms_per_token"]:
             step = (r["graph_split_ms_per_token"] or r["split_ms_per_token"])["experts"]
             replayed = bound["experts_replayed_ms_per_token"]

@@ -298,8 +298,12 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     assert bound["expert_bytes_per_token"] > 0 and bound["host_read_gb_s"] > 0 and 0 < bound["of_bound"]
     assert "host-bandwidth bound" in table
     assert bound["gpu_experts"] == 0 and "over its bus" not in table  # no GPU: the cores read every expert
-    shared = format_table({**r, "host_bound": {**bound, "gpu_experts": 1}})  # decode_gpu_experts: 1, as on a GPU
-    assert f"of each token's {bound['experts_per_token']} experts the GPU read 1 over its bus" in shared
+    assert bound["bus_read_gb_s"] is None and bound["bus_bound_tok_s"] is None  # (nor its bus's read timed)
+    shared = format_table({**r, "host_bound": {**bound, "gpu_experts": 1, "bus_read_gb_s": 50.0,
+                                               "bus_bound_tok_s": 40.0, "of_bus_bound": 0.5}})  # as on a GPU
+    assert (f"of each token's {bound['experts_per_token']} experts the GPU read 1 over its bus (decode_gpu_experts): "
+            "the bound above is the cores' read alone; with the bus's 50.0 GB/s (a pinned copy) beside it 40.0 tok/s, "
+            "decode 50.0% of it") in shared
     assert f"the experts on {bound['experts_threads']} threads (numba's {bound['threading_layer']} layer)" in table
     assert bound["experts_threads"] >= 1 and bound["threading_layer"] in ("omp", "tbb", "workqueue")
     # the tiny model's int4 experts read into memory of their own: its mappings, some of it perhaps in huge pages
