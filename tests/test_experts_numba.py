@@ -263,8 +263,11 @@ def test_planner_counts_the_format(tmp_path):
     assert cpu.weights == experts // 2 + experts // 128 * 4 + rest  # int4 payload, a scale per 128, bf16 for the rest
 
 
-def test_decode_gpu_experts_the_plan_cannot_run_are_refused(tmp_path):
+def test_decode_gpu_experts_the_plan_cannot_run_are_refused(tmp_path, tiny_dir):
+    """At the plan, and at the build where no plan runs (a load without max_seq_len), which would page-lock the
+    experts for a GPU the stream never uses."""
     from glm5_offload.config import load_config
+    from glm5_offload.loader import load_model
     from glm5_offload.model import build_model
     from glm5_offload.planner import make_plan
     from glm5_offload.rules import place
@@ -278,9 +281,12 @@ def test_decode_gpu_experts_the_plan_cannot_run_are_refused(tmp_path):
                                         "routes to; at most 7"):
         make_plan(config, place(model, load_rules(path)), 1000, {})
     path.write_text(path.read_text().replace("decode_gpu_experts: 8", "decode_gpu_experts: 2"))
-    with pytest.raises(Glm5Error, match="decode_gpu_experts: 2 runs experts on the GPU of the residual stream, but "
-                                        "the rules put it on cpu \\(model.embed_tokens' device\\)"):
+    refusal = "decode_gpu_experts: 2 runs experts on the GPU of the residual stream, but the rules put it on cpu " \
+              "\\(model.embed_tokens' device\\)"
+    with pytest.raises(Glm5Error, match=refusal):
         make_plan(config, place(model, load_rules(path)), 1000, {})
+    with pytest.raises(Glm5Error, match=refusal):
+        load_model(tiny_dir(), rules=load_rules(path))
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -526,27 +526,29 @@ class NumbaExpertsOperator(ExpertsOperator):
         return nbytes(sum(t.numel() for t in slot.own_tensors().values()), *self.packing(slot, dtype))
 
     @staticmethod
-    def decode_gpu_experts(slot: Slot, stream_device: str) -> int | str:
-        """The rule's decode_gpu_experts for a residual stream on stream_device: auto means none off a GPU."""
+    def decode_gpu_experts(slot: Slot, stream_device: str, top_k: int) -> int | str:
+        """The rule's decode_gpu_experts for a residual stream on stream_device and top_k experts a token: auto means
+        none off a GPU; a count must leave the cores some (fewer than top_k) and needs the stream on a GPU."""
         n = slot.kwargs["decode_gpu_experts"]
-        return 0 if n == "auto" and not stream_device.startswith("cuda") else n
+        if n == "auto":
+            return n if stream_device.startswith("cuda") else 0
+        if n >= top_k:
+            raise Glm5Error(f"decode_gpu_experts: {n} leaves the CPU cores none of the {top_k} experts a token routes "
+                            f"to; at most {top_k - 1}")
+        if n and not stream_device.startswith("cuda"):
+            raise Glm5Error(f"decode_gpu_experts: {n} runs experts on the GPU of the residual stream, but the rules "
+                            f"put it on {stream_device} (model.embed_tokens' device)")
+        return n
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
         """With gpu_tokens, on the GPU of the residual stream: the expert ring (one per format, group and depth,
         shared by the layers) and one expert dequantised at a time; with decode_gpu_experts (fewer than the experts a
         token routes to, or refused here), a decode token's gate, up, SwiGLU and sum of those experts there."""
         buffers = super().memory(slot, ctx)
-        config, gpu_experts = ctx.config, self.decode_gpu_experts(slot, ctx.stream_device)
+        config = ctx.config
+        gpu_experts = self.decode_gpu_experts(slot, ctx.stream_device, config.num_experts_per_tok)
         if gpu_experts == "auto":
             gpu_experts = config.num_experts_per_tok // 2
-        elif gpu_experts >= config.num_experts_per_tok:
-            raise Glm5Error(f"decode_gpu_experts: {gpu_experts} leaves the CPU cores none of the "
-                            f"{config.num_experts_per_tok} experts a token routes to; at most "
-                            f"{config.num_experts_per_tok - 1}")
-        if gpu_experts and not ctx.stream_device.startswith("cuda"):
-            raise Glm5Error(f"decode_gpu_experts: {slot.kwargs['decode_gpu_experts']} runs experts on the GPU of "
-                            f"the residual stream, but the rules put it on {ctx.stream_device} (model.embed_tokens' "
-                            "device)")
         if gpu_experts:  # a decode token's gate and up, SwiGLU and sum
             inter = config.moe_intermediate_size
             buffers.append(Buffer(ctx.stream_device, "workspace", 4 * (gpu_experts * 3 * inter + config.hidden_size)))
@@ -574,7 +576,8 @@ class NumbaExpertsOperator(ExpertsOperator):
                                  k["in_memory"])
         return NumbaExperts(arrays, fmt, group, k["threads"], k["activations"] == "int8",
                             k["gpu_tokens"], k["gpu_ring"], config.swiglu_limit, k["pin_experts"], k["split_tokens"],
-                            self.decode_gpu_experts(slot, ctx.stream_device), config.num_experts_per_tok)
+                            self.decode_gpu_experts(slot, ctx.stream_device, config.num_experts_per_tok),
+                            config.num_experts_per_tok)
 
     def link(self, modules: list[NumbaExperts]):
         chain_layers(modules)
