@@ -21,6 +21,7 @@ times 11, a KDA layer's times 34, the experts per MoE layer times 42, the rest p
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 
 from glm5_offload.benchmark import format_table, run_benchmark
 from glm5_offload.config import load_config
+from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
 from glm5_offload.loader import load_model
@@ -163,4 +165,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Glm5Error as e:  # a placement refused (--decode-gpu-experts 8 leaves the cores none), a bad checkpoint
+        sys.exit(f"bench_flash: {e}")
