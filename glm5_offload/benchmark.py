@@ -227,9 +227,10 @@ def experts_huge_pages(model) -> tuple[int, int] | None:
                        for name in ("w13", "s13", "w2", "s2")])
 
 
-def bus_read_gb_s(device: torch.device, n_bytes: int = 1 << 28, copies: int = 10) -> float:
+def bus_read_gb_s(device: torch.device, n_bytes: int = 1 << 26, copies: int = 10) -> float:
     """The GPU's read of page-locked host memory over its bus: GB/s of the median of `copies` copies of n_bytes into
-    device by the copy engine, timed with CUDA events."""
+    device by the copy engine, timed with CUDA events (64 MiB by default, ~1 ms a copy: glm5 bench takes it beside a
+    loaded model, on a GPU its plan may have filled)."""
     src = torch.empty(n_bytes, dtype=torch.uint8).pin_memory()
     dst = torch.empty(n_bytes, dtype=torch.uint8, device=device)
     ms = []
