@@ -333,7 +333,7 @@ def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, t
         assert errors[PROMPT_LEN // 2] < 0.5 and agree >= 0.3
     engine = Engine(placed, cuda_graphs=False)
     engine.stop_ids = set()
-    assert len(engine.generate(ids.tolist(), 8).output_ids) == 8
+    assert len(engine.generate(ids.tolist(), 3).output_ids) == 3  # (two decode steps: each costs seconds here)
 
 
 def test_a_kda_layers_projections_of_its_input_run_as_one(hf_next):
