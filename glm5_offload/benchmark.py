@@ -264,6 +264,7 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: f
     pages = experts_huge_pages(model)
     gpu = gpu_experts(model)
     bus = bus_read_gb_s(model.device) if gpu else None
+    both = bus and (read + bus) * 1e9 / plan.active_expert_bytes  # the bound with the bus's read beside the cores'
     return {"expert_bytes_per_token": plan.active_expert_bytes, "host_read_gb_s": read, "bound_tok_s": bound,
             "experts_threads": numba.get_num_threads(), "threading_layer": numba.threading_layer(),
             "of_bound": decode_tok_s / bound, "experts_mapped_bytes": pages and pages[0],
@@ -271,8 +272,7 @@ def host_bound(engine: Engine, context: int, decode_tok_s: float, replayed_ms: f
             "experts_alone_of_read": alone_ms and plan.active_expert_bytes / (alone_ms / 1e3) / (read * 1e9),
             "experts_replayed_ms_per_token": replayed_ms,
             "experts_per_token": model.config.num_experts_per_tok, "gpu_experts": gpu, "bus_read_gb_s": bus,
-            "bus_bound_tok_s": bus and (read + bus) * 1e9 / plan.active_expert_bytes,
-            "of_bus_bound": bus and decode_tok_s / ((read + bus) * 1e9 / plan.active_expert_bytes)}
+            "bus_bound_tok_s": both, "of_bus_bound": both and decode_tok_s / both}
 
 
 def gpu_experts(model) -> int:
