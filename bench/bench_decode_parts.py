@@ -84,10 +84,10 @@ def absorb_sweep(hbm: float):
     want = {"query": torch.einsum("shd,hdl->shl", q.float(), w[:, :NOPE]),
             "output": torch.einsum("shl,hvl->shv", o, w[:, NOPE:])}
     share = {"query": NOPE / (NOPE + V), "output": V / (NOPE + V)}
-    shapes = {"query": [{}] + [dict(block_c=c, block_d=d, num_warps=nw) for c in (64, 128, 256) for d in (32, 64, 256)
-                               for nw in (4, 8)],
-              "output": [{}] + [dict(block_v=v, block_l=bl, num_warps=nw) for v in (16, 32, 64)
-                                for bl in (128, 256, 512) for nw in (4, 8)]}
+    shapes = {"query": [{}] + [dict(block_c=c, block_d=d, num_warps=nw) for c in (32, 64, 128) for d in (16, 32, 64)
+                               for nw in (2, 4, 8)],
+              "output": [{}] + [dict(block_v=v, block_l=bl, num_warps=nw) for v in (8, 16, 32, 64)
+                                for bl in (32, 64, 128) for nw in (2, 4, 8)]}
     def call(kind, m, kw):
         if kind == "query":
             return mla_absorb.absorb_query(q, *m, torch.bfloat16, NOPE + V, **kw)

@@ -9,9 +9,12 @@ multiplies a decode step's queries and outputs by them:
 The reference (model/mla.py, Attention.absorb_query / absorb_output) dequantises the whole W to the compute dtype,
 widens its two slices to fp32 and runs two batched matmuls: for GLM-5 that writes and reads ~60 MB a layer and
 step. These kernels read W's bytes once, dequantise a tile in registers exactly as fp8_dequantize does (rounded to
-the compute dtype), and multiply in fp32: the reference's values, up to the order of the fp32 sums.
+the compute dtype), and multiply in fp32: the reference's values, up to the order of the fp32 sums. A tile's
+columns lie in one 128-column block of W's scales, so a row's scale is loaded once a tile (a load per value had cost
+as many loads as the weights' bytes).
 One program: one head and a block of 128 output columns (q_lat) or of output rows (out), every query row at once. Up to
-BROADCAST_ROWS query rows multiply and sum in registers; more take fp32 dots (padded to 16 rows, wasted on one).
+BROADCAST_ROWS query rows multiply in registers, the products summed once after the loop; more take fp32 dots (padded
+to 16 rows, wasted on one).
 ops/dsa_triton calls them for decode steps (up to linear_triton.DECODE_ROWS query rows, as the projections' GEMV).
 """
 
@@ -26,13 +29,16 @@ BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (
 
 
 @triton.jit
-def _weight_tile(w_ptr, ws_ptr, rows, row_ok, cols, L, FP8: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """W[rows, cols] as fp32 (rows [R], cols [C] of W [*, L]; FP8: each value times its 128 x 128 block's scale)."""
+def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col0, L, C: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """W[rows, col0 : col0 + C] as fp32 (rows [R] of W [*, L]; C divides 128 and col0 is a multiple of C: the columns
+    lie in one 128-column block). FP8: each value times its 128 x 128 block's scale, loaded once a row (a load a
+    value cost as many loads as the weights' bytes)."""
+    cols = col0 + tl.arange(0, C)
     ok = row_ok[:, None] & (cols < L)[None, :]
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * L + cols[None, :], mask=ok, other=0)
     if FP8:
-        scale = tl.load(ws_ptr + (rows // 128)[:, None] * tl.cdiv(L, 128) + (cols // 128)[None, :], mask=ok, other=0.0)
-        w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)
+        scale = tl.load(ws_ptr + (rows // 128) * tl.cdiv(L, 128) + col0 // 128, mask=row_ok, other=0.0)
+        w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)[:, None]
         if ROUND_BF16:  # as fp8_dequantize writes it in a bf16 model
             w = round_to_bf16(w)
     return w.to(tl.float32)
@@ -49,16 +55,21 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr
     h, lb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     cols = lb * BLOCK_C + tl.arange(0, BLOCK_C)
-    acc = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
-    for d0 in range(0, NOPE, BLOCK_D):
+    if DOT:
+        acc = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
+    else:  # the products summed over d once, after the loop
+        acc_d = tl.zeros((BLOCK_S, BLOCK_D, BLOCK_C), tl.float32)
+    for d0 in tl.static_range(0, NOPE, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, cols, L, FP8, ROUND_BF16)
+        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, lb * BLOCK_C, L, BLOCK_C, FP8, ROUND_BF16)
         q = tl.load(q_ptr + s[:, None] * stride_s + h * stride_h + d[None, :],
                     mask=(s < S)[:, None] & (d < NOPE)[None, :], other=0).to(tl.float32)
         if DOT:
             acc += tl.dot(q, w, input_precision="ieee")
         else:
-            acc += tl.sum(q[:, :, None] * w[None, :, :], axis=1)
+            acc_d += q[:, :, None] * w[None, :, :]
+    if not DOT:
+        acc = tl.sum(acc_d, axis=1)
     tl.store(out_ptr + (s[:, None] * H + h) * L + cols[None, :], acc, mask=(s < S)[:, None] & (cols < L)[None, :])
     if HALF > 0:
         if lb == 0:
@@ -74,23 +85,28 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr
 
 
 @triton.jit
-def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L, V: tl.constexpr, NOPE: tl.constexpr,
+def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L: tl.constexpr, V: tl.constexpr, NOPE: tl.constexpr,
                           HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
                           FP8: tl.constexpr, ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
     # o [S, H, L] fp32 -> out [S, H, V] fp32; program (h, BLOCK_V rows of W_UV[h]), BLOCK_L columns at a time
     h, vb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    acc = tl.zeros((BLOCK_S, BLOCK_V), tl.float32)
-    for l0 in range(0, L, BLOCK_L):
+    if DOT:
+        acc = tl.zeros((BLOCK_S, BLOCK_V), tl.float32)
+    else:  # the products summed over the columns once, after the loop
+        acc_l = tl.zeros((BLOCK_S, BLOCK_V, BLOCK_L), tl.float32)
+    for l0 in tl.static_range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
-        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, cols, L, FP8, ROUND_BF16)
+        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, l0, L, BLOCK_L, FP8, ROUND_BF16)
         o = tl.load(o_ptr + (s[:, None] * H + h) * L + cols[None, :], mask=(s < S)[:, None] & (cols < L)[None, :],
                     other=0.0)
         if DOT:
             acc += tl.dot(o, tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.sum(o[:, None, :] * w[None, :, :], axis=2)
+            acc_l += o[:, None, :] * w[None, :, :]
+    if not DOT:
+        acc = tl.sum(acc_l, axis=2)
     tl.store(out_ptr + (s[:, None] * H + h) * V + v[None, :], acc, mask=(s < S)[:, None] & (v < V)[None, :])
 
 
@@ -101,6 +117,13 @@ def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch
     meta = {"FP8": fp8, "ROUND_BF16": fp8 and dtype == torch.bfloat16, "DOT": dot,
             "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S)}
     return w, scales if fp8 else w, meta
+
+
+def _in_a_scale_block(name: str, columns: int) -> int:
+    """A tile's columns of W lie in one 128-column block of its scales (_weight_tile): a power of two up to 128."""
+    if columns < 1 or columns > 128 or columns & (columns - 1):
+        raise ValueError(f"mla_absorb: {name} must be a power of two up to 128, got {columns}")
+    return columns
 
 
 def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
@@ -132,6 +155,7 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
             raise ValueError("mla_absorb: q_pe must share q_nope's strides and have 2 x a power of two values")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         pe_out = torch.empty(pe.shape, dtype=pe.dtype, device=pe.device)
+    block_c = _in_a_scale_block("block_c", block_c)
     _absorb_query_kernel[(H, triton.cdiv(L, block_c))](
         q_nope, w, ws, out, pe, cos, sin, pe_out, S, H, L, q_nope.stride(0), q_nope.stride(1), NOPE=nope,
         HEAD_ROWS=head_rows, BLOCK_D=block_d, BLOCK_C=block_c, HALF=half, INTERLEAVED=interleaved,
@@ -151,8 +175,8 @@ def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | 
     out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
     w, ws, meta = _launch_args(weight, scales, dtype, S)
     block_v = block_v or (min(64, max(16, triton.next_power_of_2(V))) if meta["DOT"] else 16)
-    block_l = block_l or (128 if meta["DOT"] else 512 // meta["BLOCK_S"])
-    _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L, V=V, NOPE=nope,
-                                                         HEAD_ROWS=head_rows, BLOCK_V=block_v, BLOCK_L=block_l,
-                                                         num_warps=num_warps, **meta)
+    block_l = _in_a_scale_block("block_l", block_l or 128)
+    _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L=L, V=V,
+                                                         NOPE=nope, HEAD_ROWS=head_rows, BLOCK_V=block_v,
+                                                         BLOCK_L=block_l, num_warps=num_warps, **meta)
     return out

@@ -72,3 +72,21 @@ def test_the_query_and_its_rope_part_in_one_launch(S, interleaved, dtype):
         assert rel_err(pe, want) < 1e-6
     with pytest.raises(ValueError, match="strides"):
         mla_absorb.absorb_query(q_nope, *stored, rope=(q_pe.contiguous(), cos, sin, interleaved))
+
+
+def test_narrower_tiles_take_their_scale_blocks_and_wider_ones_are_refused():
+    """Tiles of 64 and 32 columns (a sweep's shapes) over odd heads read each row's scale of the 128-column block they
+    lie in; a tile past one block (its columns would need two scales a row) is refused before any launch."""
+    H, nope, v, L = 3, 40, 72, 200
+    g = torch.Generator().manual_seed(5)
+    w8, scales = fp8_blocks.quantize(torch.randn(H * (nope + v), L, generator=g) * 0.05)
+    q_nope, o = torch.randn(1, H, nope, generator=g).to(torch.bfloat16), torch.randn(1, H, L, generator=g)
+    want_q, want_o = reference(q_nope, o, fp8_blocks.dequantize(w8, scales).to(torch.bfloat16), torch.bfloat16, nope)
+    stored = (w8.to(DEVICE), scales.to(DEVICE), torch.bfloat16)
+    got_q = mla_absorb.absorb_query(q_nope.to(DEVICE), *stored, nope + v, block_c=64, block_d=16)
+    got_o = mla_absorb.absorb_output(o.to(DEVICE), *stored, nope, nope + v, block_v=32, block_l=32)
+    assert rel_err(got_q.cpu(), want_q) < 1e-6 and rel_err(got_o.cpu(), want_o) < 1e-6
+    with pytest.raises(ValueError, match="block_c must be a power of two up to 128, got 256"):
+        mla_absorb.absorb_query(q_nope.to(DEVICE), *stored, nope + v, block_c=256)
+    with pytest.raises(ValueError, match="block_l must be a power of two up to 128, got 96"):
+        mla_absorb.absorb_output(o.to(DEVICE), *stored, nope, nope + v, block_l=96)
