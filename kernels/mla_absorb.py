@@ -22,33 +22,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_bits import e4m3_to_f16, round_to_bf16
+from .fp8_bits import e4m3_to_f16, has_fp8_dot, round_to_bf16
 from .rope_triton import pairs, rotated
 
 BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (32 x 128 products at most)
 
 
 @triton.jit
-def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col0, L, C: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col0, L, C: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
+                 ROUND_BF16: tl.constexpr):
     """W[rows, col0 : col0 + C] as fp32 (rows [R] of W [*, L]; C divides 128 and col0 is a multiple of C: the columns
     lie in one 128-column block). FP8: each value times its 128 x 128 block's scale, loaded once a row (a load a
-    value cost as many loads as the weights' bytes)."""
+    value cost as many loads as the weights' bytes); FP8_HW: the GPU's conversions (sm89+), else bit arithmetic (the
+    same values: the 1/256 of e4m3_to_f16 goes into the scale exactly)."""
     cols = col0 + tl.arange(0, C)
     ok = row_ok[:, None] & (cols < L)[None, :]
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * L + cols[None, :], mask=ok, other=0)
     if FP8:
         scale = tl.load(ws_ptr + (rows // 128) * tl.cdiv(L, 128) + col0 // 128, mask=row_ok, other=0.0)
-        w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)[:, None]
-        if ROUND_BF16:  # as fp8_dequantize writes it in a bf16 model
-            w = round_to_bf16(w)
+        if FP8_HW:
+            w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+            if ROUND_BF16:  # as fp8_dequantize writes it in a bf16 model (the GPU's cast rounds to nearest even)
+                w = w.to(tl.bfloat16).to(tl.float32)
+        else:
+            w = e4m3_to_f16(w).to(tl.float32) * (scale * 256.0)[:, None]
+            if ROUND_BF16:
+                w = round_to_bf16(w)
     return w.to(tl.float32)
 
 
 @triton.jit
 def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr, pe_out_ptr, S, H, L, stride_s,
                          stride_h, NOPE: tl.constexpr, HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP8: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         DOT: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, PE_BF16: tl.constexpr):
+                         BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                         PE_BF16: tl.constexpr):
     # q [S, H, NOPE] (rows at stride_s / stride_h) -> out [S, H, L] fp32; program (h, BLOCK_C columns of L).
     # HALF > 0: the first column block's programs also rope q_pe [S, H, 2 HALF] (q's strides; cos/sin [S, HALF]
     # fp32) into pe_out [S, H, 2 HALF] (rope_triton's rope: the same values)
@@ -61,7 +69,8 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr
         acc_d = tl.zeros((BLOCK_S, BLOCK_D, BLOCK_C), tl.float32)
     for d0 in tl.static_range(0, NOPE, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, lb * BLOCK_C, L, BLOCK_C, FP8, ROUND_BF16)
+        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + d, d < NOPE, lb * BLOCK_C, L, BLOCK_C, FP8, FP8_HW,
+                         ROUND_BF16)
         q = tl.load(q_ptr + s[:, None] * stride_s + h * stride_h + d[None, :],
                     mask=(s < S)[:, None] & (d < NOPE)[None, :], other=0).to(tl.float32)
         if DOT:
@@ -87,7 +96,7 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr
 @triton.jit
 def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L: tl.constexpr, V: tl.constexpr, NOPE: tl.constexpr,
                           HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
-                          FP8: tl.constexpr, ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
+                          FP8: tl.constexpr, FP8_HW: tl.constexpr, ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
     # o [S, H, L] fp32 -> out [S, H, V] fp32; program (h, BLOCK_V rows of W_UV[h]), BLOCK_L columns at a time
     h, vb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -98,7 +107,8 @@ def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L: tl.constexpr, 
         acc_l = tl.zeros((BLOCK_S, BLOCK_V, BLOCK_L), tl.float32)
     for l0 in tl.static_range(0, L, BLOCK_L):
         cols = l0 + tl.arange(0, BLOCK_L)
-        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, l0, L, BLOCK_L, FP8, ROUND_BF16)
+        w = _weight_tile(w_ptr, ws_ptr, h * HEAD_ROWS + NOPE + v, v < V, l0, L, BLOCK_L, FP8, FP8_HW,
+                         ROUND_BF16)
         o = tl.load(o_ptr + (s[:, None] * H + h) * L + cols[None, :], mask=(s < S)[:, None] & (cols < L)[None, :],
                     other=0.0)
         if DOT:
@@ -114,8 +124,8 @@ def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch
     """(weight's bytes, its scales or a placeholder, the kernels' shared constexprs) for S query rows."""
     fp8, dot = scales is not None, S > BROADCAST_ROWS
     w = weight.view(torch.uint8) if fp8 else weight
-    meta = {"FP8": fp8, "ROUND_BF16": fp8 and dtype == torch.bfloat16, "DOT": dot,
-            "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S)}
+    meta = {"FP8": fp8, "FP8_HW": fp8 and has_fp8_dot(weight.device), "ROUND_BF16": fp8 and dtype == torch.bfloat16,
+            "DOT": dot, "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S)}
     return w, scales if fp8 else w, meta
 
 
