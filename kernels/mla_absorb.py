@@ -52,12 +52,22 @@ def _weight_tile(w_ptr, ws_ptr, rows, row_ok, col0, L, C: tl.constexpr, FP8: tl.
 
 
 @triton.jit
+def _out(acc, out_ptr, OUT_BF16: tl.constexpr):
+    """fp32 products as out's dtype stores them: bf16 rounded to nearest even (by bits: the interpreter's casts
+    truncate), as torch's cast of the fp32 result rounds."""
+    if OUT_BF16:
+        acc = round_to_bf16(acc)
+    return acc.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr, pe_out_ptr, S, H, L, stride_s,
                          stride_h, NOPE: tl.constexpr, HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
                          ROUND_BF16: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-                         PE_BF16: tl.constexpr):
-    # q [S, H, NOPE] (rows at stride_s / stride_h) -> out [S, H, L] fp32; program (h, BLOCK_C columns of L).
+                         PE_BF16: tl.constexpr, OUT_BF16: tl.constexpr):
+    # q [S, H, NOPE] (rows at stride_s / stride_h) -> out [S, H, L] fp32 or (OUT_BF16) bf16; program (h, BLOCK_C
+    # columns of L).
     # HALF > 0: the first column block's programs also rope q_pe [S, H, 2 HALF] (q's strides; cos/sin [S, HALF]
     # fp32) into pe_out [S, H, 2 HALF] (rope_triton's rope: the same values)
     h, lb = tl.program_id(0), tl.program_id(1)
@@ -79,7 +89,8 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr
             acc_d += q[:, :, None] * w[None, :, :]
     if not DOT:
         acc = tl.sum(acc_d, axis=1)
-    tl.store(out_ptr + (s[:, None] * H + h) * L + cols[None, :], acc, mask=(s < S)[:, None] & (cols < L)[None, :])
+    tl.store(out_ptr + (s[:, None] * H + h) * L + cols[None, :], _out(acc, out_ptr, OUT_BF16),
+             mask=(s < S)[:, None] & (cols < L)[None, :])
     if HALF > 0:
         if lb == 0:
             i = tl.arange(0, HALF)[None, :]
@@ -96,8 +107,10 @@ def _absorb_query_kernel(q_ptr, w_ptr, ws_ptr, out_ptr, pe_ptr, cos_ptr, sin_ptr
 @triton.jit
 def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L: tl.constexpr, V: tl.constexpr, NOPE: tl.constexpr,
                           HEAD_ROWS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
-                          FP8: tl.constexpr, FP8_HW: tl.constexpr, ROUND_BF16: tl.constexpr, DOT: tl.constexpr):
-    # o [S, H, L] fp32 -> out [S, H, V] fp32; program (h, BLOCK_V rows of W_UV[h]), BLOCK_L columns at a time
+                          FP8: tl.constexpr, FP8_HW: tl.constexpr, ROUND_BF16: tl.constexpr, DOT: tl.constexpr,
+                          OUT_BF16: tl.constexpr):
+    # o [S, H, L] fp32 -> out [S, H, V] fp32 or (OUT_BF16) bf16; program (h, BLOCK_V rows of W_UV[h]), BLOCK_L
+    # columns at a time
     h, vb = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -117,15 +130,20 @@ def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L: tl.constexpr, 
             acc_l += o[:, None, :] * w[None, :, :]
     if not DOT:
         acc = tl.sum(acc_l, axis=2)
-    tl.store(out_ptr + (s[:, None] * H + h) * V + v[None, :], acc, mask=(s < S)[:, None] & (v < V)[None, :])
+    tl.store(out_ptr + (s[:, None] * H + h) * V + v[None, :], _out(acc, out_ptr, OUT_BF16),
+             mask=(s < S)[:, None] & (v < V)[None, :])
 
 
-def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, S: int) -> tuple:
-    """(weight's bytes, its scales or a placeholder, the kernels' shared constexprs) for S query rows."""
+def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, S: int,
+                 out: torch.Tensor) -> tuple:
+    """(weight's bytes, its scales or a placeholder, the kernels' shared constexprs) for S query rows into out."""
+    if out.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"mla_absorb: out_dtype must be float32 or bfloat16, not {out.dtype}")
     fp8, dot = scales is not None, S > BROADCAST_ROWS
     w = weight.view(torch.uint8) if fp8 else weight
     meta = {"FP8": fp8, "FP8_HW": fp8 and has_fp8_dot(weight.device), "ROUND_BF16": fp8 and dtype == torch.bfloat16,
-            "DOT": dot, "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S)}
+            "DOT": dot, "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S),
+            "OUT_BF16": out.dtype == torch.bfloat16}
     return w, scales if fp8 else w, meta
 
 
@@ -137,9 +155,10 @@ def _in_a_scale_block(name: str, columns: int) -> int:
 
 
 def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                 head_rows: int, rope: tuple | None = None, block_c: int = 128, block_d: int | None = None,
-                 num_warps: int = 4):
-    """q_nope [S, H, nope] (a view; its last dim contiguous) through W_UK -> [S, H, L] fp32. weight: kv_b_proj's
+                 head_rows: int, rope: tuple | None = None, out_dtype: torch.dtype = torch.float32,
+                 block_c: int = 128, block_d: int | None = None, num_warps: int = 4):
+    """q_nope [S, H, nope] (a view; its last dim contiguous) through W_UK -> [S, H, L] in out_dtype (fp32 or bf16:
+    the fp32 products rounded as torch's cast rounds them). weight: kv_b_proj's
     [H * head_rows, L], float8_e4m3fn with scales [cdiv(rows, 128), cdiv(L, 128)] fp32 (dequantised as to
     `dtype`), or dense with scales None.
     rope: (q_pe [S, H, R], the query's rope part with q_nope's strides (q_b_proj's output split), cos, sin
@@ -152,8 +171,8 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     L = weight.shape[1]
     if q_nope.stride(-1) != 1:
         q_nope = q_nope.contiguous()
-    out = torch.empty(S, H, L, dtype=torch.float32, device=q_nope.device)
-    w, ws, meta = _launch_args(weight, scales, dtype, S)
+    out = torch.empty(S, H, L, dtype=out_dtype, device=q_nope.device)
+    w, ws, meta = _launch_args(weight, scales, dtype, S, out)
     block_d = block_d or min(64 // (1 if meta["DOT"] else meta["BLOCK_S"]), max(16, triton.next_power_of_2(nope)))
     if rope is None:
         pe = cos = sin = pe_out = out  # (not read: HALF 0)
@@ -174,16 +193,17 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
 
 
 def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
-                  nope: int, head_rows: int, block_v: int | None = None, block_l: int | None = None,
-                  num_warps: int = 4) -> torch.Tensor:
-    """o [S, H, L] fp32 through W_UV^T -> [S, H, v] fp32, v = head_rows - nope (weight and scales as absorb_query's).
+                  nope: int, head_rows: int, out_dtype: torch.dtype = torch.float32, block_v: int | None = None,
+                  block_l: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """o [S, H, L] fp32 through W_UV^T -> [S, H, v] in out_dtype (as absorb_query's), v = head_rows - nope (weight
+    and scales as absorb_query's).
     block_v, block_l, num_warps: a program's rows of W_UV, the columns it reads at a time, its warps (default with
     dots 64 x 128; else 16 rows, each query row's register tile 16 x 512: on an H200 one query row took 10.9 us so,
     18.5 with 32 x 128, bench_decode_parts.py --sweep, RESULTS.md session 45)."""
     S, H, L = o.shape
     V = head_rows - nope
-    out = torch.empty(S, H, V, dtype=torch.float32, device=o.device)
-    w, ws, meta = _launch_args(weight, scales, dtype, S)
+    out = torch.empty(S, H, V, dtype=out_dtype, device=o.device)
+    w, ws, meta = _launch_args(weight, scales, dtype, S, out)
     block_v = block_v or (min(64, max(16, triton.next_power_of_2(V))) if meta["DOT"] else 16)
     block_l = _in_a_scale_block("block_l", block_l or 128)
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L=L, V=V,

@@ -131,19 +131,21 @@ KERNELS = [
                         **K("G BLOCK_T LIMIT QUANT")}, dict(G=128, BLOCK_T=4, LIMIT=True, QUANT=True)),
     (g._gather_rows_kernel, {"src_ptr": "*i32", "src_rows_ptr": "*i64", "dst_ptr": "*i32", "dst_rows_ptr": "*i64",
                              **K("WORDS BLOCK")}, dict(WORDS=328, BLOCK=512)),
-    *[(a._absorb_query_kernel, {"q_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32",
+    *[(a._absorb_query_kernel, {"q_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*fp32",
+                                "out_ptr": "*bf16" if half else "*fp32",
                                 "pe_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pe_out_ptr": "*bf16",
                                 "S": "i32", "H": "i32", "L": "i32", "stride_s": "i32", "stride_h": "i32",
                                 **K("NOPE HEAD_ROWS BLOCK_S BLOCK_D BLOCK_C FP8 FP8_HW ROUND_BF16 DOT HALF "
-                                    "INTERLEAVED PE_BF16")},
+                                    "INTERLEAVED PE_BF16 OUT_BF16")},
        dict(NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_D=block, BLOCK_C=128, FP8=True, FP8_HW=False,
-            ROUND_BF16=True, DOT=dot, HALF=half, INTERLEAVED=True, PE_BF16=True))
+            ROUND_BF16=True, DOT=dot, HALF=half, INTERLEAVED=True, PE_BF16=True, OUT_BF16=half > 0))
       for block_s, block, dot, half in ((16, 64, True, 0), (1, 64, False, 32))],  # a decode row: its rope too
-    *[(a._absorb_output_kernel, {"o_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32",
-                                 "H": "i32",
-                                 **K("L V NOPE HEAD_ROWS BLOCK_S BLOCK_V BLOCK_L FP8 FP8_HW ROUND_BF16 DOT")},
+    *[(a._absorb_output_kernel, {"o_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*fp32",
+                                 "out_ptr": "*fp32" if dot else "*bf16", "S": "i32", "H": "i32",
+                                 **K("L V NOPE HEAD_ROWS BLOCK_S BLOCK_V BLOCK_L FP8 FP8_HW ROUND_BF16 DOT OUT_BF16")},
        dict(L=512, V=256, NOPE=192, HEAD_ROWS=448, BLOCK_S=block_s, BLOCK_V=block, BLOCK_L=128, FP8=True,
-            FP8_HW=False, ROUND_BF16=True, DOT=dot)) for block_s, block, dot in ((16, 64, True), (1, 16, False))],
+            FP8_HW=False, ROUND_BF16=True, DOT=dot, OUT_BF16=not dot))
+      for block_s, block, dot in ((16, 64, True), (1, 16, False))],
     *[(r._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "T": "i32", "E": "i32", "K": "i32",
                           "blocks_per_split": "i32", **K("BLOCK_T BLOCK_E BLOCK_K DOT")},
        dict(BLOCK_T=block_t, BLOCK_E=64, BLOCK_K=128, DOT=dot)) for block_t, dot in ((1, False), (16, True))],

@@ -64,6 +64,10 @@ def test_the_query_and_its_rope_part_in_one_launch(S, interleaved, dtype):
     stored = (w8.to(DEVICE), scales.to(DEVICE), dtype, nope + v)
     q_lat, pe = mla_absorb.absorb_query(q_nope, *stored, rope=(q_pe, cos, sin, interleaved))
     assert torch.equal(q_lat, mla_absorb.absorb_query(q_nope.contiguous(), *stored))
+    # in bf16 (what sparse MLA reads on a GPU): the same fp32 sums, rounded as torch's cast rounds them
+    q_bf16, pe_too = mla_absorb.absorb_query(q_nope, *stored, rope=(q_pe, cos, sin, interleaved),
+                                             out_dtype=torch.bfloat16)
+    assert q_bf16.dtype == torch.bfloat16 and torch.equal(q_bf16, q_lat.to(torch.bfloat16)) and torch.equal(pe_too, pe)
     want = apply_rope(q_pe, cos, sin, interleaved)
     assert pe.shape == want.shape and pe.dtype == dtype and pe.is_contiguous()
     if dtype == torch.bfloat16 or DEVICE == "cpu":
@@ -76,7 +80,8 @@ def test_the_query_and_its_rope_part_in_one_launch(S, interleaved, dtype):
 
 def test_narrower_tiles_take_their_scale_blocks_and_wider_ones_are_refused():
     """Tiles of 64 and 32 columns (a sweep's shapes) over odd heads read each row's scale of the 128-column block they
-    lie in; a tile past one block (its columns would need two scales a row) is refused before any launch."""
+    lie in (and write bf16 as torch's cast of their fp32 sums); a tile past one block (its columns would need two
+    scales a row) and an output dtype other than fp32 and bf16 are refused before any launch."""
     H, nope, v, L = 3, 40, 72, 200
     g = torch.Generator().manual_seed(5)
     w8, scales = fp8_blocks.quantize(torch.randn(H * (nope + v), L, generator=g) * 0.05)
@@ -86,6 +91,11 @@ def test_narrower_tiles_take_their_scale_blocks_and_wider_ones_are_refused():
     got_q = mla_absorb.absorb_query(q_nope.to(DEVICE), *stored, nope + v, block_c=64, block_d=16)
     got_o = mla_absorb.absorb_output(o.to(DEVICE), *stored, nope, nope + v, block_v=32, block_l=32)
     assert rel_err(got_q.cpu(), want_q) < 1e-6 and rel_err(got_o.cpu(), want_o) < 1e-6
+    o_bf16 = mla_absorb.absorb_output(o.to(DEVICE), *stored, nope, nope + v, block_v=32, block_l=32,
+                                      out_dtype=torch.bfloat16)
+    assert o_bf16.dtype == torch.bfloat16 and torch.equal(o_bf16, got_o.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16, not torch.float16"):
+        mla_absorb.absorb_output(o.to(DEVICE), *stored, nope, nope + v, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="block_c must be a power of two up to 128, got 256"):
         mla_absorb.absorb_query(q_nope.to(DEVICE), *stored, nope + v, block_c=256)
     with pytest.raises(ValueError, match="block_l must be a power of two up to 128, got 96"):

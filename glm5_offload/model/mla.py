@@ -251,7 +251,7 @@ class Attention(nn.Module):
         for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
             query.join()  # (after the first slab's fetch: the later joins find nothing more to wait for)
             o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
-        out = self.absorb_output(o_lse[0], w).to(x.dtype)
+        out = self.absorb_output(o_lse[0], w, x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
 
     def write_latent(self, kv_a, cos, sin, cache, positions):
@@ -284,6 +284,6 @@ class Attention(nn.Module):
         """q_nope [S, H, nope] through W_UK -> q_lat [S, H, kv_lora_rank] fp32."""
         return torch.einsum("shd,hdl->shl", q_nope.float(), w[:, : self.nope].float())
 
-    def absorb_output(self, o, w):
-        """o [S, H, kv_lora_rank] fp32 through W_UV -> [S, H, v_head_dim] fp32."""
-        return torch.einsum("shl,hvl->shv", o, w[:, self.nope :].float())
+    def absorb_output(self, o, w, dtype):
+        """o [S, H, kv_lora_rank] fp32 through W_UV (in fp32) -> [S, H, v_head_dim] in dtype (o_proj's input)."""
+        return torch.einsum("shl,hvl->shv", o, w[:, self.nope :].float()).to(dtype)

@@ -117,7 +117,11 @@ class TritonAttention(Attention):
         if not isinstance(w, tuple) or not self.rope_dim:
             return super().query(qr, cos, sin, w)
         q_nope, q_pe = self.query_parts(qr)
-        return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim, rope=(q_pe, cos, sin, self.interleaved))
+        # q_lat as sparse MLA reads it: bf16 on a GPU in a bf16 model (no copy kernel before it), fp32 in Triton's
+        # interpreter (dsa_triton.sparse_mla's cast)
+        return mla_absorb.absorb_query(q_nope, *w, self.nope + self.v_dim, rope=(q_pe, cos, sin, self.interleaved),
+                                       out_dtype=qr.dtype if qr.is_cuda and qr.dtype == torch.bfloat16
+                                       else torch.float32)
 
     def kv_b_weight(self, x):
         """Decode rows with an fp8 or dense kv_b_proj on x's device: (weight, scales or None, the dtype it
@@ -140,12 +144,12 @@ class TritonAttention(Attention):
             return super().absorb_query(q_nope, w)
         return torch.einsum("shd,hdl->shl", q_nope.to(w.dtype), w[:, : self.nope])
 
-    def absorb_output(self, o, w):
+    def absorb_output(self, o, w, dtype):
         if isinstance(w, tuple):
-            return mla_absorb.absorb_output(o, *w, self.nope, self.nope + self.v_dim)
+            return mla_absorb.absorb_output(o, *w, self.nope, self.nope + self.v_dim, out_dtype=dtype)
         if not w.is_cuda:
-            return super().absorb_output(o, w)
-        return torch.einsum("shl,hvl->shv", o.to(w.dtype), w[:, self.nope :])
+            return super().absorb_output(o, w, dtype)
+        return torch.einsum("shl,hvl->shv", o.to(w.dtype), w[:, self.nope :]).to(dtype)
 
 
 class TritonIndexerOperator(IndexerOperator):
