@@ -79,29 +79,30 @@ def sync(device):
         torch.cuda.current_stream(device).synchronize()
 
 
-_side_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_side_streams: dict[tuple[torch.device, int], "torch.cuda.Stream"] = {}
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The one side stream of a CUDA device (made at first use), for work beside its current stream's."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+def side_stream(device: torch.device, index: int = 0) -> "torch.cuda.Stream":
+    """Side stream `index` of a CUDA device (made at first use), for work beside its current stream's (and beside
+    the other side streams')."""
+    if (device, index) not in _side_streams:
+        _side_streams[device, index] = torch.cuda.Stream(device)
+    return _side_streams[device, index]
 
 
 class Beside:
-    """GPU work queued in `with beside:` goes to device's side stream, which first waits for what the current stream
-    has queued; work queued after the block runs beside it until join() makes the current stream wait for it (or the
-    current stream waits for an event recorded on `side`). Off a GPU, or with on=False, the block runs in order like
-    any other code (`side` None).
+    """GPU work queued in `with beside:` goes to the device's side stream number `stream`, which first waits for what
+    the current stream has queued; work queued after the block runs beside it until join() makes the current stream
+    wait for it (or the current stream waits for an event recorded on `side`). Off a GPU, or with on=False, the block
+    runs in order like any other code (`side` None).
 
     Safe for memory as used here: whatever the side stream allocates is freed into its own pool and given out again
     only to later work on it, which (every use waits for the current stream first) comes after every use of it.
     Meant for small tensors (a decode step's): a block of the side stream's pool is not reused by the current
     stream's allocations."""
 
-    def __init__(self, device: torch.device, on: bool = True):
-        self.side = side_stream(device) if on and device.type == "cuda" else None
+    def __init__(self, device: torch.device, on: bool = True, stream: int = 0):
+        self.side = side_stream(device, stream) if on and device.type == "cuda" else None
         self.main = torch.cuda.current_stream(device) if self.side is not None else None
 
     def __enter__(self):

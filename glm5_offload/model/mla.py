@@ -85,12 +85,24 @@ class Indexer(nn.Module):
         layer's indexer-key cache rows (a tensor, or FP8Keys); end: scores cover keys 0..end-1 (>= the last
         position + 1; keys past a query's position score -inf); k: wk(x) where the caller computed it already.
 
-        Returns the selected token positions [S, min(topk, end)] (int64), -1 where fewer are valid.
+        Returns the selected token positions [S, min(topk, end)] (int64), -1 where fewer are valid. In three parts
+        (Attention runs the first beside the second): write, query, selected.
         """
-        S = x.shape[0]
-        q = self._rope(self.wq_b(qr).view(S, self.n_heads, self.head_dim), cos, sin)
+        weights = self.write(x, cos, sin, keys, positions, k)
+        return self.selected(self.query(qr, cos, sin), keys, weights, positions, end)
+
+    def write(self, x, cos, sin, keys, positions, k=None):
+        """The tokens' keys into their cache rows; returns their head weights [S, n_heads] fp32."""
         self.write_keys(self.k_norm(self.wk(x) if k is None else k), cos, sin, keys, positions)
-        weights = self.head_weights(x)
+        return self.head_weights(x)
+
+    def query(self, qr, cos, sin):
+        """The indexer's queries [S, n_heads, head_dim] (wq_b of qr, roped)."""
+        return self._rope(self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
+
+    def selected(self, q, keys, weights, positions, end: int):
+        """The queries' selected positions (forward's), their scores taken query_chunk queries at a time."""
+        S = q.shape[0]
         chunk = self.query_chunk(end)
         parts = [self.top(q[s : s + chunk], keys, weights[s : s + chunk], positions[s : s + chunk],
                           call_end(end, S, s + chunk, self.topk)) for s in range(0, S, chunk)]
@@ -236,17 +248,25 @@ class Attention(nn.Module):
         q_a, kv_a, k = self.input_projections(x)
         qr = self.q_a_layernorm(q_a)
         w = self.kv_b_weight(x)
+        beside = S <= BESIDE_ROWS
         # a decode step's query (q_b_proj, rope, W_UK) on a GPU's side stream, beside the cache's write, the indexer
         # and the tiered fetch (each a chain of small kernels)
-        with Beside(x.device, on=S <= BESIDE_ROWS) as query:
+        with Beside(x.device, on=beside) as query:
             q_lat, q_pe = self.query(qr, cos, sin, w)
-        self.write_latent(kv_a, cos, sin, cache, positions)
-
-        if self.indexer is not None:
-            with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
-                indices = self.indexer(x, qr, cos, sin, cache.index_keys[self.layer], positions, end, k=k)
-        else:
+        if self.indexer is None:
+            self.write_latent(kv_a, cos, sin, cache, positions)
             indices = shared_indices
+        else:
+            with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
+                keys = cache.index_keys[self.layer]
+                # a full layer's cache writes (its latent row, the indexer's key) and head weights on a second side
+                # stream, beside the indexer's query (wq_b and its rope)
+                with Beside(x.device, on=beside, stream=1) as writes:
+                    self.write_latent(kv_a, cos, sin, cache, positions)
+                    weights = self.indexer.write(x, cos, sin, keys, positions, k)
+                q = self.indexer.query(qr, cos, sin)
+                writes.join()
+                indices = self.indexer.selected(q, keys, weights, positions, end)
         o_lse = None  # a key slab of the cache after the first merges into the earlier ones' attention
         for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
             query.join()  # (after the first slab's fetch: the later joins find nothing more to wait for)

@@ -121,12 +121,23 @@ class PooledIndexer(nn.Module):
     def forward(self, x, qr, cos, sin, cache: PooledKeys, positions, end: int, k=None):
         """x [S, hidden], qr [S, q_lora] of the tokens at positions [S]; cache: this layer's PooledKeys; end >= the
         last position + 1 (cos, sin: unused, no rope); k: wk(x) where the caller computed it already. Returns the
-        selected token positions [S, width] (int64, -1 where none)."""
-        S = x.shape[0]
-        q = self.wq_b(qr).view(S, self.n_heads, self.head_dim)
+        selected token positions [S, width] (int64, -1 where none). In mla.Indexer's three parts."""
+        weights = self.write(x, cos, sin, cache, positions, k)
+        return self.selected(self.query(qr, cos, sin), cache, weights, positions, end)
+
+    def write(self, x, cos, sin, cache: PooledKeys, positions, k=None):
+        """The tokens' keys and gate logits into cache; returns their head weights [S, n_heads] fp32."""
         self.write_keys(self.k_norm(self.wk(x) if k is None else k), F.linear(x, self.index_kpool_compress_gate), cache,
                         positions)
-        weights = self.head_weights(x)
+        return self.head_weights(x)
+
+    def query(self, qr, cos, sin):
+        """The indexer's queries [S, n_heads, head_dim] (wq_b of qr; no rope)."""
+        return self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
+
+    def selected(self, q, cache: PooledKeys, weights, positions, end: int):
+        """The queries' selected positions (forward's), their group scores taken in chunks."""
+        S = q.shape[0]
         chunk = max(1, SCORE_BUDGET // (self.n_heads * max(1, end // self.kpool)))
         return torch.cat([
             selected_tokens(self.scores(q[s : s + chunk], cache, weights[s : s + chunk], positions[s : s + chunk],
