@@ -13,8 +13,8 @@ the compute dtype), and multiply in fp32: the reference's values, up to the orde
 columns lie in one 128-column block of W's scales, so a row's scale is loaded once a tile (a load per value had cost
 as many loads as the weights' bytes).
 One program: one head and a block of 128 output columns (q_lat) or of output rows (out), every query row at once. Up to
-BROADCAST_ROWS query rows multiply in registers, the products summed once after the loop; more take fp32 dots (padded
-to 16 rows, wasted on one).
+BROADCAST_ROWS query rows (one, for the query's product) multiply in registers, the products summed once after the
+loop; more take fp32 dots (padded to 16 rows, wasted on one).
 ops/dsa_triton calls them for decode steps (up to linear_triton.DECODE_ROWS query rows, as the projections' GEMV).
 """
 
@@ -25,7 +25,9 @@ import triton.language as tl
 from .fp8_bits import e4m3_to_f16, has_fp8_dot, round_to_bf16
 from .rope_triton import pairs, rotated
 
-BROADCAST_ROWS = 4  # up to this many query rows multiply and sum in registers (32 x 128 products at most)
+# up to this many query rows multiply and sum in registers (32 x 128 products at most); absorb_query's 4 rows took
+# 20.3 us so against 15.8 with a reduction each step (H100, bench/RESULTS.md session 51): one row there
+BROADCAST_ROWS = {"query": 1, "output": 4}
 
 
 @triton.jit
@@ -134,12 +136,13 @@ def _absorb_output_kernel(o_ptr, w_ptr, ws_ptr, out_ptr, S, H, L: tl.constexpr, 
              mask=(s < S)[:, None] & (v < V)[None, :])
 
 
-def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, S: int,
-                 out: torch.Tensor) -> tuple:
-    """(weight's bytes, its scales or a placeholder, the kernels' shared constexprs) for S query rows into out."""
+def _launch_args(weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype, S: int, out: torch.Tensor,
+                 product: str) -> tuple:
+    """(weight's bytes, its scales or a placeholder, the kernels' shared constexprs) for S query rows into out, of
+    `product` (query or output)."""
     if out.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"mla_absorb: out_dtype must be float32 or bfloat16, not {out.dtype}")
-    fp8, dot = scales is not None, S > BROADCAST_ROWS
+    fp8, dot = scales is not None, S > BROADCAST_ROWS[product]
     w = weight.view(torch.uint8) if fp8 else weight
     meta = {"FP8": fp8, "FP8_HW": fp8 and has_fp8_dot(weight.device), "ROUND_BF16": fp8 and dtype == torch.bfloat16,
             "DOT": dot, "BLOCK_S": max(16, triton.next_power_of_2(S)) if dot else triton.next_power_of_2(S),
@@ -164,15 +167,16 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
     rope: (q_pe [S, H, R], the query's rope part with q_nope's strides (q_b_proj's output split), cos, sin
     [S, R/2] fp32, interleaved): then returns (q_lat, q_pe rotated as rope_triton.rope rotates it, contiguous), one
     launch for both.
-    block_c, block_d, num_warps: a program's columns of L, the rows of W_UK it reads at a time (default: 64, or as
-    many as a register tile of 64 x 128 products per query row allows), its warps (bench_decode_parts.py --sweep:
-    on an H200 one query row took 8.3 us with block_d 64, 9.7 with 32, RESULTS.md session 45)."""
+    block_c, block_d, num_warps: a program's columns of L (up to 128: one scale block), the rows of W_UK it reads at a
+    time (default: 64, or as many as a register tile of 64 x 128 products per query row allows), its warps
+    (bench_decode_parts.py --sweep: on an H200 one query row took 8.3 us with block_d 64, 9.7 with 32, RESULTS.md
+    session 45; H100, session 51: 6.0-6.3 us for (64 or 128, 64, 4 or 8))."""
     S, H, nope = q_nope.shape
     L = weight.shape[1]
     if q_nope.stride(-1) != 1:
         q_nope = q_nope.contiguous()
     out = torch.empty(S, H, L, dtype=out_dtype, device=q_nope.device)
-    w, ws, meta = _launch_args(weight, scales, dtype, S, out)
+    w, ws, meta = _launch_args(weight, scales, dtype, S, out, "query")
     block_d = block_d or min(64 // (1 if meta["DOT"] else meta["BLOCK_S"]), max(16, triton.next_power_of_2(nope)))
     if rope is None:
         pe = cos = sin = pe_out = out  # (not read: HALF 0)
@@ -194,17 +198,20 @@ def absorb_query(q_nope: torch.Tensor, weight: torch.Tensor, scales: torch.Tenso
 
 def absorb_output(o: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype,
                   nope: int, head_rows: int, out_dtype: torch.dtype = torch.float32, block_v: int | None = None,
-                  block_l: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                  block_l: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """o [S, H, L] fp32 through W_UV^T -> [S, H, v] in out_dtype (as absorb_query's), v = head_rows - nope (weight
     and scales as absorb_query's).
-    block_v, block_l, num_warps: a program's rows of W_UV, the columns it reads at a time, its warps (default with
-    dots 64 x 128; else 16 rows, each query row's register tile 16 x 512: on an H200 one query row took 10.9 us so,
-    18.5 with 32 x 128, bench_decode_parts.py --sweep, RESULTS.md session 45)."""
+    block_v, block_l, num_warps: a program's rows of W_UV, the columns it reads at a time (up to 128: one scale
+    block), its warps (default with dots 64 x 128 on 4 warps; else 8 x 128 on 2 for one row, 16 x 128 on 4 for 2-4:
+    bench_decode_parts.py --sweep and .exp's old-against-new timings, RESULTS.md session 51)."""
     S, H, L = o.shape
     V = head_rows - nope
     out = torch.empty(S, H, V, dtype=out_dtype, device=o.device)
-    w, ws, meta = _launch_args(weight, scales, dtype, S, out)
-    block_v = block_v or (min(64, max(16, triton.next_power_of_2(V))) if meta["DOT"] else 16)
+    w, ws, meta = _launch_args(weight, scales, dtype, S, out, "output")
+    if meta["DOT"]:
+        block_v, num_warps = block_v or min(64, max(16, triton.next_power_of_2(V))), num_warps or 4
+    else:  # one row: 8 x 128 on 2 warps took 6.7 us, 16 x 128 on 4 warps 7.7 (H100, RESULTS.md session 51)
+        block_v, num_warps = block_v or (8 if S == 1 else 16), num_warps or (2 if S == 1 else 4)
     block_l = _in_a_scale_block("block_l", block_l or 128)
     _absorb_output_kernel[(H, triton.cdiv(V, block_v))](o.float().contiguous(), w, ws, out, S, H, L=L, V=V,
                                                          NOPE=nope, HEAD_ROWS=head_rows, BLOCK_V=block_v,
