@@ -26,7 +26,7 @@ from .fp8_bits import e4m3_to_f16, has_fp8_dot, round_to_bf16
 from .rope_triton import pairs, rotated
 
 # up to this many query rows multiply and sum in registers (32 x 128 products at most); absorb_query's 4 rows took
-# 20.3 us so against 15.8 with a reduction each step (H100, bench/RESULTS.md session 51): one row there
+# 20.3 us so, 14.4 with dots (H100, bench/RESULTS.md session 51): one row there
 BROADCAST_ROWS = {"query": 1, "output": 4}
 
 
