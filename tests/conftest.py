@@ -15,6 +15,32 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter on th
     # need a GPU: on the CPU it is told fla-core is absent, so its own plain-torch KDA is the one compared against
     sys.modules.setdefault("fla", None)
 
+
+def _lighter_interpreter():
+    """Triton's interpreter spends ~40% of a tiny model's forward on two checks that cannot matter here: every int32
+    add and multiply is redone in int64 to look for overflow (the tiny models' offsets are far from 2^31, and the
+    real sizes' overflows never reach the interpreter), and every call of a @triton.jit helper inside a kernel patches
+    triton.language anew (inspect.getmembers over the package), though the kernel's launch patched it already.
+    Off: the first; the second done only where a helper's module sees a part of the language not yet patched."""
+    import dataclasses
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    patch = interpreter._patch_lang
+
+    def patch_unless_patched(fn):
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        return patch(fn) if any(tl.core.is_builtin(lang.load) for lang in langs) else interpreter._LangPatchScope()
+
+    interpreter._patch_lang = patch_unless_patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _lighter_interpreter()
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers share the cores: torch's threads divided among them (more
     # threads than cores wait on one another in every parallel region)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
