@@ -55,7 +55,7 @@ def test_a_resumed_context_decodes_what_a_fresh_run_decodes(tiny_dir, tmp_path, 
         assert got.output_ids == engine(path, rules).generate(prompt, n).output_ids
     again = engine(path, rules)  # a prompt that leaves the saved tokens early reuses what it shares
     load_context(again, tmp_path / "ctx.safetensors")
-    assert again.generate(first_prompt + list(range(200, 230)), n).reused_tokens == len(first_prompt)
+    assert again.generate(first_prompt + list(range(200, 206)), n).reused_tokens == len(first_prompt)
 
 
 def test_rows_of_another_placement_resume_with_a_warning(tiny_dir, tmp_path, caplog):
