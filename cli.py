@@ -327,10 +327,11 @@ def cmd_rules_operators(args):
 
 
 def cmd_plan(args):
+    from glm5_offload.config import load_config
     from glm5_offload.planner import detected_budgets, make_plan
     from glm5_offload.util import parse_size
 
-    config, placement, dtype = _placement(args)
+    # the flags checked before the model's module tree is built (seconds for a full-size model)
     budgets = detected_budgets()
     if args.gpu_mem:
         budgets["cuda"] = parse_size(args.gpu_mem, "--gpu-mem")
@@ -338,7 +339,8 @@ def cmd_plan(args):
         budgets["cpu"] = parse_size(args.host_mem, "--host-mem")
     if args.max_seq_len <= 0:
         raise Glm5Error(f"--max-seq-len must be > 0, got {args.max_seq_len}")
-    config.check_positions(args.max_seq_len, "--max-seq-len")
+    load_config(args.model).check_positions(args.max_seq_len, "--max-seq-len")
+    config, placement, dtype = _placement(args)
     plan = make_plan(config, placement, args.max_seq_len, budgets, kv_dtype=args.kv_dtype,
                      expert_format=args.expert_format, dtype=dtype)
     print(plan.table())
