@@ -295,21 +295,22 @@ def cmd_serve(args):
           defaults=params, random_weights=is_default, context_dir=args.context_dir)
 
 
-def _placement(args):
+def _placement(args, config):
     import torch
 
-    from glm5_offload.config import load_config
     from glm5_offload.model import build_model
     from glm5_offload.rules import place
 
-    config = load_config(args.model)
     rules, device = _rules(args, run=False, model_type=config.model_type)
     dtype = getattr(torch, args.dtype) if args.dtype else getattr(torch, config.dtype)
-    return config, place(build_model(config), rules, device), dtype
+    return place(build_model(config), rules, device), dtype
 
 
 def cmd_rules_show(args):
-    config, placement, dtype = _placement(args)
+    from glm5_offload.config import load_config
+
+    config = load_config(args.model)
+    placement, dtype = _placement(args, config)
     source = placement.rules.path if placement.rules else f"no rule file (all on {placement.default_device})"
     print(f"placement of {config.path} ({config.model_type}, {config.num_hidden_layers} layers) by {source}\n")
     print(placement.table(dtype))
@@ -339,8 +340,9 @@ def cmd_plan(args):
         budgets["cpu"] = parse_size(args.host_mem, "--host-mem")
     if args.max_seq_len <= 0:
         raise Glm5Error(f"--max-seq-len must be > 0, got {args.max_seq_len}")
-    load_config(args.model).check_positions(args.max_seq_len, "--max-seq-len")
-    config, placement, dtype = _placement(args)
+    config = load_config(args.model)
+    config.check_positions(args.max_seq_len, "--max-seq-len")
+    placement, dtype = _placement(args, config)
     plan = make_plan(config, placement, args.max_seq_len, budgets, kv_dtype=args.kv_dtype,
                      expert_format=args.expert_format, dtype=dtype)
     print(plan.table())

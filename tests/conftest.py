@@ -190,6 +190,16 @@ def greedy_agreement(model, prompt: list[int], tokens: list[int]) -> float:
     return sum(a == b for a, b in zip(picked, tokens)) / len(tokens)
 
 
+def greedy_steps(model, cache, logits: torch.Tensor, n: int = 2):
+    """n greedy decode steps (a token a pass: the decode paths) after a prompt whose last logits are `logits`: each
+    step's logits are finite and the cache grows by one."""
+    token, length = logits.argmax(), cache.length
+    for step in range(n):
+        last = model(token[None], cache, logits_for="last")[0]
+        assert torch.isfinite(last).all() and cache.length == length + step + 1
+        token = last.argmax()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """arch, fp8 -> a `glm5 make-tiny` checkpoint directory."""

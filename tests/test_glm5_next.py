@@ -15,7 +15,7 @@ from glm5_offload.model.pooled_indexer import PooledIndexer, PooledKeys, pool
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 
-from conftest import rel_err
+from conftest import greedy_steps, rel_err
 
 PROMPT_LEN = 28  # > index_topk (8): whole groups are selected sparsely
 CASES = [(4, 2), (4, 4), (8, 2), (8, 4)]  # (layers, index_kpool)
@@ -332,11 +332,7 @@ def test_the_tiny_flash_model_runs_under_its_default_rules_on_the_cpu(hf_next, t
         assert errors[-1] < 1e-2 and agree == 1
     else:
         assert errors[PROMPT_LEN // 2] < 0.5 and agree >= 0.3
-    token = ours[-1].argmax()
-    for step in range(2):  # two greedy decode steps after the prompt (each costs seconds here)
-        last = placed(token[None], cache, logits_for="last")[0]
-        assert torch.isfinite(last).all() and cache.length == PROMPT_LEN + step + 1
-        token = last.argmax()
+    greedy_steps(placed, cache, ours[-1])  # each step costs seconds here
 
 
 def test_a_kda_layers_projections_of_its_input_run_as_one(hf_next):
