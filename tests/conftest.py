@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -252,6 +253,29 @@ def glm5(*args, env=None, check=True, timeout=600):
                           env=cli_env(env), timeout=timeout)
     assert not check or proc.returncode == 0, proc.stderr
     return proc
+
+
+@pytest.fixture
+def glm5_here(monkeypatch, capsys):
+    """`glm5 args...` in this process, as glm5 runs it in a child, for commands that run no model (refusals, plan,
+    rules, make-tiny): a child's imports cost 2.4 s on a 2-core machine. A command that gets as far as chatting or
+    serving fails the test (instead of waiting for input or a connection)."""
+    import glm5_offload.chat
+    import glm5_offload.cli
+    import glm5_offload.server
+
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (main's SIGTERM handler: not in a test worker)
+    monkeypatch.setattr(glm5_offload.cli, "show_engine_log", lambda: None)  # (its handler would keep capsys' stream)
+    for module, name in ((glm5_offload.chat, "run_chat"), (glm5_offload.server, "serve")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the command was not refused"))
+
+    def run(*args, check=True):
+        capsys.readouterr()
+        code = glm5_offload.cli.main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        assert not check or code == 0, err
+        return subprocess.CompletedProcess(args, code, out, err)
+    return run
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

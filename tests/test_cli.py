@@ -38,7 +38,7 @@ def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_make_tiny_never_replaces_a_folder_unasked(tmp_path):
+def test_make_tiny_never_replaces_a_folder_unasked(tmp_path, glm5_here):
     folder = tmp_path / "models"
     folder.mkdir()
     (folder / "weights.bin").write_bytes(b"precious")
@@ -55,13 +55,14 @@ def test_make_tiny_never_replaces_a_folder_unasked(tmp_path):
     for target, error in ((folder, "holds weights.bin, which is not a checkpoint's file; --overwrite replaces only a "
                                    "folder of checkpoint files"),
                           (tmp_path / "link", "is a link; --overwrite replaces a folder, not what a link points to")):
-        proc = glm5("make-tiny", target, "--overwrite", check=False)  # `glm5 make-tiny ~ --overwrite` deletes nothing
+        # `glm5 make-tiny ~ --overwrite` deletes nothing
+        proc = glm5_here("make-tiny", target, "--overwrite", check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == f"glm5: error: {target}: {error}"
     assert (folder / "weights.bin").read_bytes() == b"precious"
     (folder / "weights.bin").unlink()
     (folder / "model.safetensors").write_bytes(b"an older checkpoint")
     (folder / "config.json").write_text("{}")
-    glm5("make-tiny", folder, "--overwrite")
+    glm5_here("make-tiny", folder, "--overwrite")
     assert not (folder / "model.safetensors").exists() and (folder / "model.safetensors.index.json").is_file()
 
 
@@ -70,8 +71,8 @@ def test_make_tiny_never_replaces_a_folder_unasked(tmp_path):
     (["--layers", "0", "--preset", "glm-5"], "--layers must be from 1 to glm-5's 78 layers, got 0"),
     (["--layers", "79", "--preset", "glm-5"], "--layers must be from 1 to glm-5's 78 layers, got 79"),
 ])
-def test_make_tiny_layers_out_of_range(tmp_path, args, error):
-    proc = glm5("make-tiny", tmp_path / "out", *args, check=False)
+def test_make_tiny_layers_out_of_range(tmp_path, args, error, glm5_here):
+    proc = glm5_here("make-tiny", tmp_path / "out", *args, check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"glm5: error: {error}"
     assert not (tmp_path / "out").exists()
 
@@ -146,17 +147,17 @@ def test_prompt_file_and_stdin_read_the_text(tiny_dir, tmp_path, monkeypatch):
      "prompt of 2 tokens + 20 new tokens exceeds max_seq_len 10"),
     (["--prompt", "a b c d e f g h", "--max-seq-len", 6, "--max-new-tokens", 1], "new tokens exceeds max_seq_len 6"),
 ])
-def test_a_prompt_that_cannot_run_is_refused_before_any_weight_is_read(tiny_dir, tmp_path, args, want):
+def test_a_prompt_that_cannot_run_is_refused_before_any_weight_is_read(tiny_dir, tmp_path, args, want, glm5_here):
     path = broken_copy(tiny_dir, tmp_path)
     for shard in path.glob("*.safetensors"):  # a weight read would fail on these
         shard.write_bytes(b"")
-    proc = glm5("generate", "--model", path, *args, check=False)
+    proc = glm5_here("generate", "--model", path, *args, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("glm5: error: ")
     assert want in proc.stderr.strip().splitlines()[-1]
 
 
-def test_prompt_file_errors(tiny_dir, tmp_path):
+def test_prompt_file_errors(tiny_dir, tmp_path, glm5_here):
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     # beyond the 128 KiB Linux allows one command-line argument: read whole, then refused for the tiny model's context
     (tmp_path / "book.txt").write_text("A long document about the lightning indexer, line by line.\n" * 4000)
@@ -164,13 +165,13 @@ def test_prompt_file_errors(tiny_dir, tmp_path):
                          ("missing.txt", "--prompt-file {}: cannot read it (No such file or directory)"),
                          ("", "--prompt-file {}: cannot read it (Is a directory)"),
                          ("book.txt", "exceeds max_seq_len 4096")):
-        proc = glm5("generate", "--model", tiny_dir(), "--prompt-file", tmp_path / name, check=False)
+        proc = glm5_here("generate", "--model", tiny_dir(), "--prompt-file", tmp_path / name, check=False)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
         assert proc.returncode == 2 and len(errors) == 1 and needle.format(tmp_path / name) in errors[0], proc.stderr
     tokens = int(re.search(r"prompt of (\d+) tokens", errors[0]).group(1))
     assert tokens > 40000 and (tmp_path / "book.txt").stat().st_size > 128 << 10
     if Path("/dev/zero").exists():  # endless: read to 64 MiB and refused, not read until memory runs out
-        proc = glm5("generate", "--model", tiny_dir(), "--prompt-file", "/dev/zero", check=False, timeout=120)
+        proc = glm5_here("generate", "--model", tiny_dir(), "--prompt-file", "/dev/zero", check=False)
         assert proc.returncode == 2 and "--prompt-file /dev/zero: more than 64 MiB, beyond any model's context" in (
             proc.stderr)
 
@@ -439,29 +440,29 @@ def broken_copy(tiny_dir, tmp_path, config=None, drop_template=False):
                                             ({"hidden_size": "many"}, "'hidden_size' must be int"),
                                             ({"eos_token_id": "</s>"}, "'eos_token_id' must be an integer"),
                                             ({"n_shared_experts": -1}, "'n_shared_experts' must be >= 0")])
-def test_a_bad_config_is_one_line_before_the_tokenizer_loads(tiny_dir, tmp_path, command, config, needle):
+def test_a_bad_config_is_one_line_before_the_tokenizer_loads(tiny_dir, tmp_path, command, config, needle, glm5_here):
     path = broken_copy(tiny_dir, tmp_path, config)
     args = [command, "--model", path] + {"generate": ["--prompt", "hi"], "chat": [], "serve": ["--port", 0]}[command]
-    proc = glm5(*args, check=False)
+    proc = glm5_here(*args, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"glm5: error: {path / 'config.json'}: field")
     assert needle in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["chat", "serve"])
-def test_a_model_without_a_chat_template_is_refused_at_start(tiny_dir, tmp_path, command):
-    proc = glm5(command, "--model", broken_copy(tiny_dir, tmp_path, drop_template=True),
-                *(["--port", 0] if command == "serve" else []), check=False)
+def test_a_model_without_a_chat_template_is_refused_at_start(tiny_dir, tmp_path, command, glm5_here):
+    proc = glm5_here(command, "--model", broken_copy(tiny_dir, tmp_path, drop_template=True),
+                     *(["--port", 0] if command == "serve" else []), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "has no chat template" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("command", ["chat", "serve"])
-def test_a_broken_chat_template_is_refused_at_start(tiny_dir, tmp_path, command):
+def test_a_broken_chat_template_is_refused_at_start(tiny_dir, tmp_path, command, glm5_here):
     """(It was a traceback from jinja2 in chat, and in serve a dropped connection for every request.)"""
     path = broken_copy(tiny_dir, tmp_path, drop_template=True)
     (path / "chat_template.jinja").write_text("{% for m in %}{{ m.content }}{% endfor %}")
-    proc = glm5(command, "--model", path, *(["--port", 0] if command == "serve" else []), check=False)
+    proc = glm5_here(command, "--model", path, *(["--port", 0] if command == "serve" else []), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"glm5: error: {path}: the chat template failed: TemplateSyntaxError: ")
@@ -503,11 +504,12 @@ def test_ctrl_c_during_generate_is_one_line(tmp_path):
     (["chat", "--max-seq-len", 5000], "--max-seq-len 5000"),
     (["bench", "--context", 5000, "--new-tokens", 2], "--context 5000 + 2 x --new-tokens 2 = 5004"),
 ])
-def test_a_context_beyond_the_models_positions_is_refused_before_any_weight_is_read(tiny_dir, tmp_path, args, source):
+def test_a_context_beyond_the_models_positions_is_refused_before_any_weight_is_read(tiny_dir, tmp_path, args, source,
+                                                                                   glm5_here):
     path = broken_copy(tiny_dir, tmp_path)
     for shard in path.glob("*.safetensors"):  # a weight read would fail on these
         shard.write_bytes(b"")
-    proc = glm5(args[0], "--model", path, *args[1:], check=False)
+    proc = glm5_here(args[0], "--model", path, *args[1:], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     want = f"glm5: error: {source} exceeds the model's max_position_embeddings 4096 ({path / 'config.json'})"
     assert proc.stderr.strip().splitlines()[-1] == want

@@ -15,8 +15,6 @@ from glm5_offload.planner import PlanError, make_plan
 from glm5_offload.rules import load_rules, place, resolve_rules_path
 from glm5_offload.util import parse_size
 
-from conftest import glm5
-
 GiB = 2**30
 
 
@@ -141,27 +139,27 @@ def test_parse_size_rejects():
         parse_size("12 parsecs", "--host-mem")
 
 
-def test_plan_command():
-    proc = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
-                "--gpu-mem", "160GiB",
-                "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json", check=False)
+def test_plan_command(glm5_here):
+    proc = glm5_here("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
+                     "--gpu-mem", "160GiB",
+                     "--host-mem", "512GiB", "--kv-dtype", "fp8", "--expert-format", "int4", "--json", check=False)
     assert proc.returncode == 0, proc.stderr
     table, figures = proc.stdout.rsplit("\n", 2)[0], json.loads(proc.stdout.strip().splitlines()[-1])
     assert "latent KV fp8 (656 B/token/layer)" in table and "fits; largest context" in table
     # every layer's FP8 rows, and one buffer of them converted to bf16 for a prefill chunk's sparse MLA
     assert figures["fits"] and figures["devices"]["cuda"]["latent_kv"] == (78 * 656 + 576 * 2) * 1_000_000
-    over = glm5("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
-                "--gpu-mem", "24GiB", "--host-mem", "512GiB", check=False)
+    over = glm5_here("plan", "--model", "glm-5.2", "--rules", "glm5-reference", "--max-seq-len", 1000000,
+                     "--gpu-mem", "24GiB", "--host-mem", "512GiB", check=False)
     assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
 
 
-def test_plan_says_why_no_context_fits_and_refuses_one_beyond_the_models_positions():
-    small = glm5("plan", "--model", "glm-5.2", "--max-seq-len", 4096, "--gpu-mem", "24GiB", "--host-mem", "64GiB",
-                 check=False)
+def test_plan_says_why_no_context_fits_and_refuses_one_beyond_the_models_positions(glm5_here):
+    small = glm5_here("plan", "--model", "glm-5.2", "--max-seq-len", 4096, "--gpu-mem", "24GiB", "--host-mem", "64GiB",
+                      check=False)
     assert small.returncode == 1
     assert "largest context that fits: none: the weights and buffers alone are over the budget of cpu" in small.stdout
-    beyond = glm5("plan", "--model", "glm-5", "--max-seq-len", 300000, "--gpu-mem", "24GiB", "--host-mem", "512GiB",
-                  check=False)
+    beyond = glm5_here("plan", "--model", "glm-5", "--max-seq-len", 300000, "--gpu-mem", "24GiB",
+                       "--host-mem", "512GiB", check=False)
     assert beyond.returncode != 0 and not beyond.stdout
     assert beyond.stderr.strip().splitlines()[-1].startswith(
         "glm5: error: --max-seq-len 300000 exceeds the model's max_position_embeddings 202752")
@@ -183,7 +181,7 @@ def test_plan_flags_are_refused_before_the_model_is_built(monkeypatch, capsys):
     assert "--gpu-mem" in capsys.readouterr().err
 
 
-def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
+def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch, glm5_here):
     import glm5_offload.loader as loader
 
     monkeypatch.setattr(loader, "Checkpoint", lambda *a, **k: pytest.fail("the checkpoint was read before the plan"))
@@ -191,7 +189,7 @@ def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch):
         load_model(tiny_dir(), max_seq_len=4096, budgets={"cpu": 2**20})
     assert "cpu needs" in str(e.value) and "of 0.0 GiB" in str(e.value)
     assert "does NOT fit" in e.value.plan.table()
-    proc = glm5("generate", "--model", tiny_dir(), "--prompt-ids", "1,2", "--host-mem", "1MiB", check=False)
+    proc = glm5_here("generate", "--model", tiny_dir(), "--prompt-ids", "1,2", "--host-mem", "1MiB", check=False)
     assert proc.returncode == 2 and "does NOT fit" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("glm5: error: the model does not fit")
 
@@ -202,10 +200,10 @@ def test_engine_runs_when_it_fits(tiny_dir):
 
 
 @pytest.mark.parametrize("preset, tokens", [("glm-5.2", 1048576), ("glm-5-fp8", 202752), ("deepseek-v3.2", 163840)])
-def test_the_default_placement_fits_a_24gib_gpu(preset, tokens):
+def test_the_default_placement_fits_a_24gib_gpu(preset, tokens, glm5_here):
     """No --rules: rules/glm5.yaml, said on stderr; GLM-5.2 at 1M tokens and GLM-5-FP8 at its 202752 fit 24 GiB."""
-    proc = glm5("plan", "--model", preset, "--max-seq-len", tokens, "--gpu-mem", "24GiB", "--host-mem", "512GiB",
-                "--json", check=False)
+    proc = glm5_here("plan", "--model", preset, "--max-seq-len", tokens, "--gpu-mem", "24GiB", "--host-mem", "512GiB",
+                     "--json", check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no --rules given: the default placement glm5" in proc.stderr
     figures = json.loads(proc.stdout.strip().splitlines()[-1])

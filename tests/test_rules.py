@@ -12,7 +12,7 @@ from glm5_offload.errors import Glm5Error
 from glm5_offload.model import Experts, build_model
 from glm5_offload.rules import check_devices_present, load_rules, place, shipped_rule_names
 
-from conftest import glm5, greedy_steps
+from conftest import greedy_steps
 
 SHIPPED = ["glm5.yaml", "glm5-reference.yaml", "glm5-cpu.yaml", "glm5-gpu.yaml"]  # GLM-5, GLM-5.2, DeepSeek-V3.2
 FLASH = "glm5-flash.yaml"  # GLM-5.3-Flash
@@ -199,12 +199,12 @@ def test_group_sizes_that_do_not_divide_are_chosen_or_refused(tmp_path):
         placement("glm-5", int4).slots["model.layers.0.self_attn.o_proj"], torch.bfloat16) == "int4/g128"
 
 
-def test_rules_show_on_shared_configs(tmp_path):
+def test_rules_show_on_shared_configs(tmp_path, glm5_here):
     for preset in ("glm-5", "glm-5.2", "glm-5-fp8", "deepseek-v3.2"):
         table = placement(preset, "glm5-reference").table(torch.bfloat16)
         assert "experts.reference" in table and "total on cpu" in table and "total on cuda" in table
         assert "warning" not in table
-    out = glm5("rules", "show", "--model", "glm-5.2", "--rules", "glm5-reference").stdout
+    out = glm5_here("rules", "show", "--model", "glm-5.2", "--rules", "glm5-reference").stdout
     assert "model.layers.{3-77}.mlp.experts" in out and "model.layers.{0-2,6,10," in out
     assert "total on cpu: 1350.00 GiB" in out  # 75 x 256 x 3 x 6144 x 2048 bf16 weights
     assert "latent KV of layers {0-77}: bf16 rows on cuda" in out
@@ -218,10 +218,10 @@ def test_rules_show_on_shared_configs(tmp_path):
     assert "warning: rule 2 (name~no_such_module) matched nothing" in table
 
 
-def test_rules_operators_lists_what_a_rule_can_name():
+def test_rules_operators_lists_what_a_rule_can_name(glm5_here):
     from glm5_offload.ops import REGISTRY
 
-    lines = glm5("rules", "operators").stdout.splitlines()
+    lines = glm5_here("rules", "operators").stdout.splitlines()
     assert [line.split()[0] for line in lines] == list(REGISTRY)
     numba = next(line for line in lines if line.startswith("experts.numba "))
     assert "replaces Experts" in numba and " on cpu " in numba and "kwargs: format, group_size, threads" in numba
@@ -274,13 +274,13 @@ def test_a_rule_file_that_is_not_utf8_is_one_line(tmp_path):
     assert str(e.value) == f"{path}: not UTF-8 text (byte 5)"
 
 
-def test_bad_rule_file_on_the_command_line_exits_2_without_traceback(tmp_path):
+def test_bad_rule_file_on_the_command_line_exits_2_without_traceback(tmp_path, glm5_here):
     path = write(tmp_path, BAD["unknown_op"][0])
-    proc = glm5("rules", "show", "--model", "glm-5", "--rules", path, check=False)
+    proc = glm5_here("rules", "show", "--model", "glm-5", "--rules", path, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "unknown operator 'experts.turbo'" in errors[0]
     assert "Traceback" not in proc.stderr
-    proc = glm5("rules", "show", "--model", "glm-5", "--rules", tmp_path / "missing.yaml", check=False)
+    proc = glm5_here("rules", "show", "--model", "glm-5", "--rules", tmp_path / "missing.yaml", check=False)
     assert proc.returncode == 2 and "no such rule file" in proc.stderr
     from glm5_offload.rules import resolve_rules_path
 
@@ -290,10 +290,10 @@ def test_bad_rule_file_on_the_command_line_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_device_not_present(tiny_dir, tmp_path):
+def test_device_not_present(tiny_dir, tmp_path, glm5_here):
     with pytest.raises(Glm5Error, match=r"glm5.yaml: rule \d+: device cuda is not present on this machine"):
         check_devices_present(placement(tiny_dir() / "config.json", "glm5"))
-    proc = glm5("generate", "--model", tiny_dir(), "--rules", "glm5", "--prompt-ids", "1,2", check=False)
+    proc = glm5_here("generate", "--model", tiny_dir(), "--rules", "glm5", "--prompt-ids", "1,2", check=False)
     assert proc.returncode == 2 and "device cuda is not present" in proc.stderr and "Traceback" not in proc.stderr
 
 

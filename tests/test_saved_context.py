@@ -116,12 +116,12 @@ def test_a_second_process_resumes_the_context(tiny_dir, tmp_path):
     assert resumed["output_ids"] == json.loads(glm5(*common, "--prompt-ids", prompt).stdout)["output_ids"]
 
 
-def test_context_flags_are_checked_before_anything_loads(tmp_path):
+def test_context_flags_are_checked_before_anything_loads(tmp_path, glm5_here):
     for args, message in [(["--save-context", tmp_path], "a folder, not a file"),
                           (["--save-context", tmp_path / "no" / "x.ctx"], "the folder .*/no does not exist"),
                           (["--save-context", "/proc/sys/x.ctx"], "cannot write in /proc/sys \\("),
                           (["--load-context", tmp_path / "missing.ctx"], "not a file \\(missing, or a folder\\)")]:
-        proc = glm5("generate", "--model", tmp_path / "no-model", "--prompt-ids", "1,2", *args, check=False)
+        proc = glm5_here("generate", "--model", tmp_path / "no-model", "--prompt-ids", "1,2", *args, check=False)
         errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
         assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr
         assert re.search(message, errors[0]), errors[0]
