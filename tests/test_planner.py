@@ -165,20 +165,17 @@ def test_plan_says_why_no_context_fits_and_refuses_one_beyond_the_models_positio
         "glm5: error: --max-seq-len 300000 exceeds the model's max_position_embeddings 202752")
 
 
-def test_plan_flags_are_refused_before_the_model_is_built(monkeypatch, capsys):
+def test_plan_flags_are_refused_before_the_model_is_built(monkeypatch, glm5_here):
     """A context beyond the model's positions or a size that is not one: refused before the module tree is built
     (~9 s for GLM-5's on a slow CPU)."""
-    import signal
-
     import glm5_offload.model
-    from glm5_offload.cli import main
 
     monkeypatch.setattr(glm5_offload.model, "build_model", lambda config: pytest.fail("the model was built"))
-    monkeypatch.setattr(signal, "signal", lambda *a: None)  # (main's SIGTERM handler: not in a test worker)
-    assert main(["plan", "--model", "glm-5", "--max-seq-len", "300000"]) == 2
-    assert "--max-seq-len 300000 exceeds the model's max_position_embeddings 202752" in capsys.readouterr().err
-    assert main(["plan", "--model", "glm-5", "--max-seq-len", "4096", "--gpu-mem", "lots"]) == 2
-    assert "--gpu-mem" in capsys.readouterr().err
+    proc = glm5_here("plan", "--model", "glm-5", "--max-seq-len", "300000", check=False)
+    assert proc.returncode == 2 and "--max-seq-len 300000 exceeds the model's max_position_embeddings 202752" in (
+        proc.stderr)
+    proc = glm5_here("plan", "--model", "glm-5", "--max-seq-len", "4096", "--gpu-mem", "lots", check=False)
+    assert proc.returncode == 2 and "--gpu-mem" in proc.stderr
 
 
 def test_engine_refuses_up_front_showing_the_plan(tiny_dir, monkeypatch, glm5_here):
