@@ -117,6 +117,7 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     os.sync()  # a checkpoint or expert cache just written is on the disk before anything is timed (its writeback
     # would compete with the experts for the host's cores and memory)
     engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk)
+    engine.stop_ids = set()  # new_tokens decoded whatever they are (an end-of-text token would cut the timed run short)
     if prefill_only:  # a shorter prefill first compiles the kernels (run_benchmark's split follows a first run)
         engine.generate(random_prompt(engine, min(context, 2 * prefill_chunk), seed=1), 1)
         result = {"context": context, "prefill_split_s": prefill_split(engine, random_prompt(engine, context))}
