@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -271,7 +272,13 @@ def glm5_here(monkeypatch, capsys):
 
     def run(*args, check=True):
         capsys.readouterr()
-        code = glm5_offload.cli.main([str(a) for a in args])
+        try:
+            code = glm5_offload.cli.main([str(a) for a in args])
+        except SystemExit as e:  # argparse's usage error, as a child exits on it
+            code = e.code
+        except Exception:  # as a child ends on one: its traceback on stderr, exit 1 (the tests look for neither)
+            traceback.print_exc()
+            code = 1
         out, err = capsys.readouterr()
         assert not check or code == 0, err
         return subprocess.CompletedProcess(args, code, out, err)
