@@ -56,21 +56,22 @@ def test_glm52_at_1m_tokens_equals_the_glm5_md_formulas():
 
 
 def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
-    """glm5.yaml: FP8 rows of every layer in host memory; per layer an 8 MiB hot buffer and a 4-byte slot per token
-    on the GPU, plus a prefill staging buffer of 2^18 rows and one of their bf16 conversion (budgets, not per
-    token); 132-byte indexer keys."""
+    """glm5.yaml: FP8 rows of every layer in host memory; per layer an 8 MiB hot buffer (with its LRU tables) and a
+    4-byte slot per token on the GPU, plus a prefill staging buffer of 2^18 rows and one of their bf16 conversion
+    (budgets, not per token); 132-byte indexer keys."""
     config, placement = placed("glm-5.2", "glm5")
     p = make_plan(config, placement, 1_000_000, {"cuda": 24 * GiB, "cpu": 512 * GiB})
     cpu, cuda = device(p, "cpu"), device(p, "cuda")
     assert cpu.latent_kv == 78 * 656 * 1_000_000
-    assert cuda.latent_kv == 78 * (8 * 2**20 + 4 * 1_000_000) + (656 + 1152) * 2**18
+    hot = (8 * 2**20 // 656 + 1) * 656 + (8 * 2**20 // 656 - 512 + 1) * 16  # rows and LRU tables (token_of, stamp)
+    assert cuda.latent_kv == 78 * (hot + 4 * 1_000_000) + (656 + 1152) * 2**18
     assert cuda.indexer_keys == 21 * 132 * 1_000_000
     assert [n for n in p.notes if n.startswith("latent KV")] == ["latent KV fp8 (656 B/token/layer)"] and p.fits
     assert cuda.per_token == 78 * 4 + 21 * 132 and cpu.per_token == 78 * 656
     expert = 3 * 6144 * 2048  # gpu_tokens: the ring of DEPTH int4 experts, one expert dequantised to bf16
     assert cuda.workspace == 3 * 2**26 * 4 + DEPTH * (expert // 2 + expert // 128 * 4) + expert * 2
     short = make_plan(config, placement, 4096, {"cuda": 24 * GiB, "cpu": 512 * GiB})
-    assert device(short, "cuda").latent_kv == 78 * (8 * 2**20 + 4 * 4096) + (656 + 1152) * 4096  # never above need
+    assert device(short, "cuda").latent_kv == 78 * (hot + 4 * 4096) + (656 + 1152) * 4096  # staging: never above need
 
 
 def test_gpu_ring_sets_the_experts_held_on_the_gpu(tmp_path):
@@ -219,5 +220,6 @@ def test_flash_at_1m_tokens_fits_24_gib_with_its_states_and_pooled_keys():
     assert p.fits and cuda.total < 24 * GiB
     assert cpu.latent_kv == 11 * 528 * n
     state = 64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2
-    assert cuda.latent_kv == 34 * 2 * state + 11 * (8 * 2**20 + 4 * n) + (528 + 512 * 2) * 2**18
+    hot = (8 * 2**20 // 528 + 1) * 528 + (8 * 2**20 // 528 - 512 + 1) * 16
+    assert cuda.latent_kv == 34 * 2 * state + 11 * (hot + 4 * n) + (528 + 512 * 2) * 2**18
     assert cuda.indexer_keys == 11 * 16 * n

@@ -8,6 +8,7 @@ from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.kv_rows import FP8Keys
 from glm5_offload.kernels.gather_rows import gather_rows_triton
 from glm5_offload.loader import load_model
+from glm5_offload.ops.reference import hot_buffer_bytes
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
@@ -279,3 +280,16 @@ def test_a_hot_buffer_too_small_is_refused(hf_checkpoint, tmp_path):
     model = load_model(path, dtype=torch.float32, rules=offload_rules(tmp_path, "cpu", 10 * 192, 4))
     with pytest.raises(Glm5Error, match="hot_budget 1920 B holds 10 latent rows of 192 B: it needs at least window 4"):
         new_cache(model, 64)
+
+
+@pytest.mark.parametrize("kv_dtype, row", [("auto", 48 * 4), ("fp8", 32 + 4 + 16 * 2)])
+def test_the_plan_counts_every_device_table_of_a_tiered_layer(hf_checkpoint, tmp_path, kv_dtype, row):
+    """The planner's hot-buffer bytes are what a tiered layer allocates beside the host rows and slot_of (per token,
+    counted apart): its hot rows and every per-slot table, whatever tables it grows."""
+    path, _ = hf_checkpoint("glm_moe_dsa")
+    model = load_model(path, dtype=torch.float32, rules=offload_rules(tmp_path, "cpu", 50 * row + 7, 4, kv_dtype))
+    cache = new_cache(model, 64)
+    for latent, layout in zip(cache.latent, cache.layouts):
+        tables = [t for name, t in vars(latent).items()
+                  if isinstance(t, torch.Tensor) and t.dim() and name not in ("host", "slot_of")]
+        assert latent.row_bytes() == row and sum(t.nbytes for t in tables) == hot_buffer_bytes(layout, row)

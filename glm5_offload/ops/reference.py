@@ -33,6 +33,7 @@ from .base import Buffer, BuildContext, Operator, PlanContext, Slot
 
 TEMPORARY_BYTES = 4  # temporaries are fp32 at worst
 SLOT_BYTES = 4  # a tiered layer's hot-slot table entry per token, on the device (runtime/tiered_kv.py's slot_of)
+LRU_SLOT_BYTES = 16  # its token_of and stamp entries (int64) per LRU slot
 LAYOUT_KWARGS = ("kv_dtype", "kv_offload", "hot_budget", "window", "prefill_rows")
 
 
@@ -69,11 +70,11 @@ class AttentionOperator(Operator):
                             window=k["window"], prefill_rows=k["prefill_rows"])
 
     def memory(self, slot: Slot, ctx: PlanContext) -> list[Buffer]:
-        """Latent rows per token on the attention's device, or with offload in host memory beside a hot buffer, an
-        4-byte slot per token and a prefill staging buffer of prefill_rows rows (shared by the layers) on the device;
-        FP8 rows add one buffer of as many rows in bf16 (a prefill chunk's sparse MLA converts its rows once: shared;
-        without offload, one of every row); the indexer keys per token on the indexer's device; the reference's
-        [heads, queries, keys] temporaries."""
+        """Latent rows per token on the attention's device, or with offload in host memory beside a hot buffer (its
+        rows and LRU tables), a 4-byte slot per token and a prefill staging buffer of prefill_rows rows (shared by the
+        layers) on the device; FP8 rows add one buffer of as many rows in bf16 (a prefill chunk's sparse MLA converts
+        its rows once: shared; without offload, one of every row); the indexer keys per token on the indexer's device;
+        the reference's [heads, queries, keys] temporaries."""
         layout = self.layout(slot, "fp8" if ctx.kv_dtype == "fp8" else None)
         form = "fp8" if layout.fp8 else ctx.kv_dtype or dtype_name(ctx.dtype)
         row = latent_row_bytes(ctx.config, form)
@@ -83,7 +84,7 @@ class AttentionOperator(Operator):
                    note=f"latent KV {form} ({row} B/token/layer)"),
             Buffer(slot.device, "workspace", 3 * SCORE_BUDGET * TEMPORARY_BYTES)]
         if layout.offload:
-            buffers += [Buffer(slot.device, "latent_kv", layout.hot_bytes, per_token=SLOT_BYTES),
+            buffers += [Buffer(slot.device, "latent_kv", hot_buffer_bytes(layout, row), per_token=SLOT_BYTES),
                         Buffer(slot.device, "latent_kv", staged * row, shared=("prefill staging", form))]
         if form == "fp8":
             bf16_rows = ctx.config.latent_dim * 2
@@ -109,6 +110,13 @@ class AttentionOperator(Operator):
         module = super().build(slot, checkpoint, ctx)
         module.latent_layout = self.layout(slot, ctx.kv_dtype)
         return module
+
+
+def hot_buffer_bytes(layout: LatentLayout, row: int) -> int:
+    """A tiered layer's device bytes besides slot_of, as runtime/tiered_kv.py allocates them: the hot rows the budget
+    holds and a dummy one, and the LRU slots' tables (the hot rows past the window, and a dummy)."""
+    rows = layout.hot_bytes // row
+    return (rows + 1) * row + (rows - layout.window + 1) * LRU_SLOT_BYTES
 
 
 class IndexerOperator(Operator):
