@@ -94,15 +94,16 @@ def _rules(args, run: bool, model_type: str):
 def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from: str = "--max-seq-len",
             check_prompt=None):
     """The model (placed by --rules, checked by the planner), its engine and tokenizer, from the shared flags. Every
-    flag and the config are checked before the tokenizer or any weight is read; chat: the tokenizer must have a
-    chat template (chat, serve). max_seq_len_from: what set args.max_seq_len, named where the model refuses it.
-    check_prompt(config, tokenizer, max_seq_len): generate's prompt checked before any weight is read (a big
-    model's load takes minutes)."""
+    flag is checked before a model is read (or the default one written), the config before the tokenizer or any
+    weight is read; chat: the tokenizer must have a chat template (chat, serve). max_seq_len_from: what set
+    args.max_seq_len, named where the model refuses it. check_prompt(config, tokenizer, max_seq_len): generate's
+    prompt checked before any weight is read (a big model's load takes minutes)."""
     import torch
 
     from glm5_offload.chat import apply_template
     from glm5_offload.config import load_config
     from glm5_offload.loader import load_model
+    from glm5_offload.rules import check_device
     from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.util import parse_size
 
@@ -110,19 +111,20 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
                         ("--prefill-chunk", args.prefill_chunk), ("--max-new-tokens", args.max_new_tokens)):
         if value is not None and value < 1:
             raise Glm5Error(f"{flag} must be >= 1, got {value}")
-    model_dir, is_default = _model_dir(args.model)
-    config = load_config(model_dir)
-    rules, device = _rules(args, run=True, model_type=config.model_type)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     params.check()
     budgets = {"cuda": parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem else None,
                "cpu": parse_size(args.host_mem, "--host-mem") if args.host_mem else None}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if args.cpu_threads is not None and args.cpu_threads > cores:  # torch would start that many threads on fewer
+        raise Glm5Error(f"--cpu-threads {args.cpu_threads} is more than the {cores} cores this process may use")
+    if args.device is not None:
+        check_device("--device", args.device)
+    model_dir, is_default = _model_dir(args.model)  # (the default one is written on first use)
+    config = load_config(model_dir)
+    rules, device = _rules(args, run=True, model_type=config.model_type)
     if args.cpu_threads is not None:
         import numba
-
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if args.cpu_threads > cores:  # torch would start that many threads on fewer cores
-            raise Glm5Error(f"--cpu-threads {args.cpu_threads} is more than the {cores} cores this process may use")
 
         torch.set_num_threads(args.cpu_threads)
         numba.set_num_threads(min(args.cpu_threads, numba.config.NUMBA_NUM_THREADS))

@@ -240,11 +240,15 @@ def test_default_model_is_created_on_first_use_and_says_it_is_random(tmp_path):
     (["serve", "--port", 99999], "--port must be 0-65535, got 99999"),
     (["serve", "--port=-1"], "--port must be 0-65535, got -1"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
-    proc = glm5(*args, env={"XDG_CACHE_HOME": str(tmp_path)}, check=False)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle, glm5_here, monkeypatch):
+    """A bad flag is refused before any model is read or the default one written (only the prompt's length needs
+    the model's config)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    proc = glm5_here(*args, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glm5: error:")]
     assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0]
     assert "Traceback" not in proc.stderr
+    assert (tmp_path / "glm5-offload").exists() == ("max_seq_len" in needle)
 
 
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
