@@ -19,9 +19,9 @@ from glm5_offload.runtime.kv_cache import new_cache
 from conftest import cli_env, glm5
 
 
-def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
+def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path, glm5_here):
     out = tmp_path / "tiny"
-    proc = glm5("make-tiny", out, "--seed", "3")
+    proc = glm5_here("make-tiny", out, "--seed", "3")
     assert "wrote a tiny glm_moe_dsa checkpoint" in proc.stdout
     config = load_config(out)
     assert config.indexer_types == ("full", "full", "shared", "full", "shared")
@@ -32,7 +32,7 @@ def test_make_tiny_writes_a_release_shaped_checkpoint(tmp_path):
     assert "model.layers.1.mlp.experts.15.down_proj.weight" in index["weight_map"]
     assert "model.layers.2.self_attn.indexer.wk.weight" not in index["weight_map"]  # shared layer
     again = tmp_path / "again"
-    glm5("make-tiny", again, "--seed", "3")
+    glm5_here("make-tiny", again, "--seed", "3")
     shard = sorted(shards)[1]
     first, second = load_file(out / shard), load_file(again / shard)
     assert all(torch.equal(first[k], second[k]) for k in first)
@@ -387,7 +387,7 @@ def test_prefill_projection_scales_each_part_by_its_layers(tmp_path):
     assert prefill_projection(split, written("tiny", tiny_config("glm_moe_dsa"))) == []  # tiny dims
 
 
-def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
+def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path, glm5_here):
     """--preset: the published config's dims cut to a few layers (a small config.json stands in for GLM-5's
     here; its real dims are checked on the config alone), written a layer a shard, loadable and runnable."""
     from glm5_offload.loader import load_model
@@ -402,7 +402,7 @@ def test_preset_shaped_checkpoint_keeps_the_real_dims(tmp_path):
     (tmp_path / "preset").mkdir()
     (tmp_path / "preset" / "config.json").write_text(json.dumps(small))
     out = tmp_path / "shaped"
-    proc = glm5("make-tiny", out, "--preset", tmp_path / "preset" / "config.json", "--layers", "3", "--fp8")
+    proc = glm5_here("make-tiny", out, "--preset", tmp_path / "preset" / "config.json", "--layers", "3", "--fp8")
     assert "-shaped, 3 layers FP8 checkpoint" in proc.stdout
     config = json.loads((out / "config.json").read_text())
     assert (config["hidden_size"], config["n_routed_experts"], config["num_hidden_layers"]) == (192, 12, 3)
