@@ -251,6 +251,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle, glm5_here, mon
     assert (tmp_path / "glm5-offload").exists() == ("max_seq_len" in needle)
 
 
+def test_a_flag_argparse_refuses_is_its_usage_and_exit_2(glm5_here):
+    proc = glm5_here("generate", "--prompt-ids", "1", "--max-new-tokens", "many", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: glm5 generate")
+    assert proc.stderr.splitlines()[-1] == "glm5 generate: error: argument --max-new-tokens: invalid int value: 'many'"
+
+
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path):
     """`glm5 generate ... | head -c 1`: the pipe closed under the streamed reply stops the command with SIGPIPE's
     exit status and no traceback (there was one from the reply's print)."""

@@ -154,16 +154,11 @@ def test_plan_command(glm5_here):
     assert over.returncode == 1 and "does NOT fit" in over.stdout and "OVER by" in over.stdout
 
 
-def test_plan_says_why_no_context_fits_and_refuses_one_beyond_the_models_positions(glm5_here):
+def test_plan_says_why_no_context_fits(glm5_here):
     small = glm5_here("plan", "--model", "glm-5.2", "--max-seq-len", 4096, "--gpu-mem", "24GiB", "--host-mem", "64GiB",
                       check=False)
     assert small.returncode == 1
     assert "largest context that fits: none: the weights and buffers alone are over the budget of cpu" in small.stdout
-    beyond = glm5_here("plan", "--model", "glm-5", "--max-seq-len", 300000, "--gpu-mem", "24GiB",
-                       "--host-mem", "512GiB", check=False)
-    assert beyond.returncode != 0 and not beyond.stdout
-    assert beyond.stderr.strip().splitlines()[-1].startswith(
-        "glm5: error: --max-seq-len 300000 exceeds the model's max_position_embeddings 202752")
 
 
 def test_plan_flags_are_refused_before_the_model_is_built(monkeypatch, glm5_here):
@@ -173,8 +168,8 @@ def test_plan_flags_are_refused_before_the_model_is_built(monkeypatch, glm5_here
 
     monkeypatch.setattr(glm5_offload.model, "build_model", lambda config: pytest.fail("the model was built"))
     proc = glm5_here("plan", "--model", "glm-5", "--max-seq-len", "300000", check=False)
-    assert proc.returncode == 2 and "--max-seq-len 300000 exceeds the model's max_position_embeddings 202752" in (
-        proc.stderr)
+    assert proc.returncode == 2 and not proc.stdout and proc.stderr.strip().splitlines()[-1].startswith(
+        "glm5: error: --max-seq-len 300000 exceeds the model's max_position_embeddings 202752")
     proc = glm5_here("plan", "--model", "glm-5", "--max-seq-len", "4096", "--gpu-mem", "lots", check=False)
     assert proc.returncode == 2 and "--gpu-mem" in proc.stderr
 
