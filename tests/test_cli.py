@@ -279,12 +279,13 @@ def test_output_to_a_full_disk_is_one_line():
 
 
 def test_fp8_cache_and_small_prefill_chunks(tmp_path):
-    """--kv-dtype fp8 (656 B-form rows, 132 B keys) and --prefill-chunk: the same greedy start as the default."""
+    """--kv-dtype fp8 (656 B-form rows, 132 B keys) and --prefill-chunk: the same greedy start as rows in the
+    compute dtype (glm5-cpu's: the default rules/glm5.yaml keeps FP8 rows already)."""
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     ids = ",".join(str(i) for i in range(20, 60))
-    base = json.loads(glm5("generate", "--prompt-ids", ids, "--max-new-tokens", 6, "--json", env=env).stdout)
-    fp8 = json.loads(glm5("generate", "--prompt-ids", ids, "--max-new-tokens", 6, "--json", "--kv-dtype", "fp8",
-                          "--prefill-chunk", "7", env=env).stdout)
+    run = ("generate", "--rules", "glm5-cpu", "--prompt-ids", ids, "--max-new-tokens", 6, "--json")
+    base = json.loads(glm5(*run, env=env).stdout)
+    fp8 = json.loads(glm5(*run, "--kv-dtype", "fp8", "--prefill-chunk", "7", env=env).stdout)
     assert len(fp8["output_ids"]) == 6 and fp8["output_ids"][0] == base["output_ids"][0]
 
 
