@@ -76,10 +76,8 @@ def _rules(args, run: bool, model_type: str):
     where this machine has no GPU and no --device says otherwise."""
     import torch
 
-    from glm5_offload.rules import DEFAULT_RULES, check_device, load_rules
+    from glm5_offload.rules import DEFAULT_RULES, load_rules
 
-    if args.device is not None:
-        check_device("--device", args.device)
     if args.rules:
         return load_rules(args.rules), args.device
     device = args.device or (None if torch.cuda.is_available() or not run else "cpu")
@@ -103,7 +101,6 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
     from glm5_offload.chat import apply_template
     from glm5_offload.config import load_config
     from glm5_offload.loader import load_model
-    from glm5_offload.rules import check_device
     from glm5_offload.runtime.engine import Engine, SamplingParams
     from glm5_offload.util import parse_size
 
@@ -118,8 +115,6 @@ def _engine(args, tokenizer_required: bool, chat: bool = False, max_seq_len_from
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if args.cpu_threads is not None and args.cpu_threads > cores:  # torch would start that many threads on fewer
         raise Glm5Error(f"--cpu-threads {args.cpu_threads} is more than the {cores} cores this process may use")
-    if args.device is not None:
-        check_device("--device", args.device)
     model_dir, is_default = _model_dir(args.model)  # (the default one is written on first use)
     config = load_config(model_dir)
     rules, device = _rules(args, run=True, model_type=config.model_type)
@@ -487,6 +482,10 @@ def main(argv=None) -> int:
     # context, make-tiny removes its unfinished folder), where the default action would end the process at once
     signal.signal(signal.SIGTERM, _terminated)
     try:
+        if getattr(args, "device", None) is not None:  # every command's --device, before anything is read
+            from glm5_offload.rules import check_device
+
+            check_device("--device", args.device)
         return args.func(args) or 0
     except Glm5Error as e:
         plan = getattr(e, "plan", None)
