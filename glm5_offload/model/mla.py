@@ -34,6 +34,10 @@ class LatentLayout:
     window: int = 1024  # with offload: recent tokens always hot
     prefill_rows: int = 1 << 18  # with offload: rows a prefill chunk's staging buffer holds
 
+    def hot_rows(self, row_bytes: int) -> int:
+        """With offload: the rows of row_bytes its hot buffer's budget holds."""
+        return self.hot_bytes // row_bytes
+
 
 class Indexer(nn.Module):
     """The lightning indexer: scores every cached key for each query, keeps the top index_topk."""

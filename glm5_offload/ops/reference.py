@@ -115,7 +115,7 @@ class AttentionOperator(Operator):
 def hot_buffer_bytes(layout: LatentLayout, row: int) -> int:
     """A tiered layer's device bytes besides slot_of, as runtime/tiered_kv.py allocates them: the hot rows the budget
     holds and a dummy one, and the LRU slots' tables (the hot rows past the window, and a dummy)."""
-    rows = layout.hot_bytes // row
+    rows = layout.hot_rows(row)
     return (rows + 1) * row + (rows - layout.window + 1) * LRU_SLOT_BYTES
 
 

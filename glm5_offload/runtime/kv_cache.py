@@ -45,7 +45,7 @@ class KVCache:
             width = fp8_row_width(config.kv_lora_rank, config.qk_rope_head_dim) if layout.fp8 else config.latent_dim
             row_dtype = torch.uint8 if layout.fp8 else dtype
             if layout.offload:
-                hot_rows = layout.hot_bytes // (width * row_dtype.itemsize)
+                hot_rows = layout.hot_rows(width * row_dtype.itemsize)
                 if hot_rows < layout.window + 2 * config.index_topk:
                     raise Glm5Error(f"hot_budget {layout.hot_bytes} B holds {hot_rows} latent rows of "
                                     f"{width * row_dtype.itemsize} B: it needs at least window {layout.window} "
