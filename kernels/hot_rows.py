@@ -5,11 +5,12 @@ program does each (a decode step's K = 2048 selections are one block), and the m
 gather_rows.
 
 Reference: TieredLatent's torch path (`write` and `fetch`, which take any number of tokens); the tests hold the kernels
-to it on random cache states, every table equal after each step. The LRU victims are theirs too: the K least recently
-used slots in topk_triton.topk_indices' order, of which the misses take the first, in order. While K slots of the
+to it on random cache states, every table equal after each step. The LRU victims are theirs too
+(TieredLatent.next_victims): the queue's next slots not used since it was filled, or where too few are left a fresh
+select of the K least recently used slots in topk_triton.topk_indices' order, the new queue. While K slots of the
 LRU part were never used (TieredLatent.unused: within a context the hot buffer holds, 12.8K of GLM-5's rows in 8
-MiB) those are the K least recent and the fetch takes them without a select; otherwise a one-program radix select
-over the slots' ages finds them (~50 us for GLM-5's 12K slots on an H200, bench/RESULTS.md).
+MiB) those are the K least recent and the select needs no pass over the ages; otherwise a one-program radix select
+over the slots' ages finds them (~30-50 us for GLM-5's 12K slots, bench/RESULTS.md): once per K misses or so.
 """
 
 import torch
@@ -43,12 +44,13 @@ def _write_one_kernel(row_ptr, pos_ptr, host_ptr, hot_ptr, slot_ptr, W, WORDS: t
 
 @triton.jit
 def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr, hits_ptr, misses_ptr, unused_ptr,
-                      victims_ptr, src_ptr, dst_ptr, mapped_ptr, K, W, LRU, OLDEST: tl.constexpr, BITS: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+                      queue_ptr, head_ptr, end_ptr, queued_at_ptr, victims_ptr, src_ptr, dst_ptr, mapped_ptr, K, W, LRU,
+                      OLDEST: tl.constexpr, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
     # idx [K] int64: the positions the query at pos[0] selected (-1: none); slot_of [max_seq_len + 1] int32,
-    # token_of [LRU + 1] int64, stamp [LRU + 1] int64, step / hits / misses / unused 0-d int64: TieredLatent's
-    # tables, updated; victims [K] int64 scratch; src, dst [K] int64: the host rows to copy into hot slots (src -1:
-    # none); mapped [K] int32: each selection's hot slot (-1: none)
+    # token_of [LRU + 1] int64, stamp [LRU + 1] int64, step / hits / misses / unused 0-d int64, queue [LRU + 1]
+    # int32 and its head / end / queued_at 0-d int64: TieredLatent's tables, updated; victims [K] int64 scratch; src,
+    # dst [K] int64: the host rows to copy into hot slots (src -1: none); mapped [K] int32: each selection's hot slot
+    # (-1: none)
     i = tl.arange(0, BLOCK_K)
     index = tl.load(idx_ptr + i, mask=i < K, other=-1)
     p = tl.load(pos_ptr)
@@ -66,12 +68,32 @@ def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr
     tl.store(misses_ptr, tl.load(misses_ptr) + n_miss)
     if n_miss > 0:
         tl.debug_barrier()  # the hits' stamps written: their slots are the youngest, never victims
+        # the queue's next K entries, those not used since queued (TieredLatent.next_victims)
+        head, queued_at = tl.load(head_ptr), tl.load(queued_at_ptr)
+        at = head + i
+        inside = (i < K) & (at < tl.load(end_ptr))
+        queued = tl.load(queue_ptr + at, mask=inside, other=LRU).to(tl.int64)
+        usable = inside & (tl.load(stamp_ptr + queued) < queued_at)
         unused = tl.load(unused_ptr)
-        if unused >= K:  # the K least recent are never-used slots (of the oldest age, stamp 0): no select
-            kth, ties = tl.minimum(step, OLDEST).to(tl.uint32), tl.zeros((), tl.int32) + K
-        else:
-            kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
-        _write_top_of_row(stamp_ptr, LRU, K, kth, ties, n_miss, victims_ptr, step, OLDEST, True, BLOCK)
+        refill = tl.sum(usable.to(tl.int32)) < n_miss
+        if refill:  # a fresh select of the K least recent: the queue
+            if unused >= K:  # the K least recent are never-used slots (of the oldest age, stamp 0): no passes
+                kth, ties = tl.minimum(step, OLDEST).to(tl.uint32), tl.zeros((), tl.int32) + K
+            else:
+                kth, ties = _kth_of_row(stamp_ptr, LRU, K, step, OLDEST, True, BITS, BLOCK)
+            _write_top_of_row(stamp_ptr, LRU, K, kth, ties, K, victims_ptr, step, OLDEST, True, BLOCK)
+            tl.debug_barrier()
+            queued = tl.load(victims_ptr + i, mask=i < K, other=LRU)
+            usable = i < K
+            tl.store(queue_ptr + i, queued.to(tl.int32), mask=usable)
+            tl.store(end_ptr, K.to(tl.int64))
+            tl.store(queued_at_ptr, step)
+            head = tl.zeros((), tl.int64)
+            tl.debug_barrier()  # the select's answer read before the victims below overwrite it
+        rank = tl.cumsum(usable.to(tl.int32), 0) - 1
+        take = usable & (rank < n_miss)
+        tl.store(victims_ptr + rank, queued, mask=take)
+        tl.store(head_ptr, head + tl.max(tl.where(take, i + 1, 0), 0))
         tl.debug_barrier()
         lru_slot = tl.load(victims_ptr + tl.cumsum(miss.to(tl.int32), 0) - 1, mask=miss, other=0)
         evicted = tl.load(token_ptr + lru_slot, mask=miss, other=-1)
@@ -99,6 +121,7 @@ def write_one(row: torch.Tensor, position: torch.Tensor, host: torch.Tensor, hot
 
 def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tensor, token_of: torch.Tensor,
               stamp: torch.Tensor, step: torch.Tensor, hits: torch.Tensor, misses: torch.Tensor, unused: torch.Tensor,
+              queue: torch.Tensor, queue_head: torch.Tensor, queue_end: torch.Tensor, queued_at: torch.Tensor,
               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TieredLatent.fetch of one query's selections indices [K] (int64, distinct, -1 = none) at position [1]: the
     tables updated in place. Returns (src, dst, mapped): the misses' host rows and their hot slots (src -1: none; for
@@ -107,7 +130,8 @@ def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tens
     src, dst = (torch.empty(K, dtype=torch.int64, device=indices.device) for _ in range(2))
     victims = torch.empty(K, dtype=torch.int64, device=indices.device)
     mapped = torch.empty(K, dtype=torch.int32, device=indices.device)
-    _fetch_one_kernel[(1,)](indices, position, slot_of, token_of, stamp, step, hits, misses, unused, victims, src, dst,
-                            mapped, K, window, stamp.numel() - 1, OLDEST=OLDEST, BITS=BITS,
+    _fetch_one_kernel[(1,)](indices, position, slot_of, token_of, stamp, step, hits, misses, unused, queue, queue_head,
+                            queue_end, queued_at, victims, src, dst, mapped, K, window, stamp.numel() - 1,
+                            OLDEST=OLDEST, BITS=BITS,
                             BLOCK_K=triton.next_power_of_2(K), BLOCK=AGE_BLOCK, num_warps=8)
     return src, dst, mapped

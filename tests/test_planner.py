@@ -63,7 +63,7 @@ def test_tiered_cache_counts_rows_on_the_host_and_hot_buffers_on_the_gpu():
     p = make_plan(config, placement, 1_000_000, {"cuda": 24 * GiB, "cpu": 512 * GiB})
     cpu, cuda = device(p, "cpu"), device(p, "cuda")
     assert cpu.latent_kv == 78 * 656 * 1_000_000
-    hot = (8 * 2**20 // 656 + 1) * 656 + (8 * 2**20 // 656 - 512 + 1) * 16  # rows and LRU tables (token_of, stamp)
+    hot = (8 * 2**20 // 656 + 1) * 656 + (8 * 2**20 // 656 - 512 + 1) * 20  # rows, LRU slots' tables
     assert cuda.latent_kv == 78 * (hot + 4 * 1_000_000) + (656 + 1152) * 2**18
     assert cuda.indexer_keys == 21 * 132 * 1_000_000
     assert [n for n in p.notes if n.startswith("latent KV")] == ["latent KV fp8 (656 B/token/layer)"] and p.fits
@@ -215,6 +215,6 @@ def test_flash_at_1m_tokens_fits_24_gib_with_its_states_and_pooled_keys():
     assert p.fits and cuda.total < 24 * GiB
     assert cpu.latent_kv == 11 * 528 * n
     state = 64 * 128 * 128 * 4 + 3 * 3 * 64 * 128 * 2
-    hot = (8 * 2**20 // 528 + 1) * 528 + (8 * 2**20 // 528 - 512 + 1) * 16
+    hot = (8 * 2**20 // 528 + 1) * 528 + (8 * 2**20 // 528 - 512 + 1) * 20
     assert cuda.latent_kv == 34 * 2 * state + 11 * (hot + 4 * n) + (528 + 512 * 2) * 2**18
     assert cuda.indexer_keys == 11 * 16 * n

@@ -97,6 +97,35 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     check_resident(tier, torch.arange(142, 150, device=DEVICE))
 
 
+def test_a_fetchs_few_misses_take_the_queued_victims():
+    """Every LRU slot in use, each step one new row (a miss) beside rows kept hot: the misses take the queue of the
+    last select's K least recent slots one after another, skipping one used since it was filled, and a new select
+    comes only once the queue runs out (on a GPU its radix select took ~30 us a step for such a miss)."""
+    g = torch.Generator().manual_seed(3)
+    K, W = 8, 4
+    tier = TieredLatent(400, 8, torch.float32, torch.device(DEVICE), hot_rows=W + 4 * K, window=W)
+    tier.write(torch.arange(300, device=DEVICE), torch.randn(300, 8, generator=g).to(DEVICE))
+    for first in range(0, 4 * K, K):  # every LRU slot used: the oldest first
+        tier.fetch(torch.arange(first, first + K, device=DEVICE)[None], torch.tensor([300], device=DEVICE))
+    assert int(tier.unused) == 0
+    kept = torch.arange(3 * K, 3 * K + K - 1)  # the last K - 1 fetched: hits from here on
+    selects, heads = [], []
+    for step in range(3 * K):
+        new = torch.tensor([100 + step])  # a miss each step
+        if step == 2:  # a queued slot's row selected again (a hit): skipped when its turn comes (step 6)
+            new = torch.tensor([5])
+        picks = torch.cat([kept, new])[torch.randperm(K, generator=g)]
+        before = tier.slot_of[:-1].clone()
+        tier.fetch(picks.to(DEVICE)[None], torch.tensor([300], device=DEVICE))
+        check_resident(tier, picks.to(DEVICE))
+        evicted = ((before >= W) & (tier.slot_of[:-1] < 0)).nonzero().flatten().cpu()
+        assert evicted.numel() == (0 if step == 2 else 1) and (evicted < 3 * K).all()  # the oldest rows' tokens
+        selects.append(int(tier.queued_at))
+        heads.append(int(tier.queue_head))
+    assert 0 < selects[0] == selects[K - 1] < selects[K] == selects[2 * K - 1] < selects[2 * K]
+    assert heads[:K] == [1, 2, 2, 3, 4, 5, 7, 8]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_least_recent_picks_the_oldest_slots(device):
     """The n oldest stamps' slots (the GPU's radix select over ages, torch.topk on the CPU); the slots the current

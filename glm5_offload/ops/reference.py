@@ -33,7 +33,7 @@ from .base import Buffer, BuildContext, Operator, PlanContext, Slot
 
 TEMPORARY_BYTES = 4  # temporaries are fp32 at worst
 SLOT_BYTES = 4  # a tiered layer's hot-slot table entry per token, on the device (runtime/tiered_kv.py's slot_of)
-LRU_SLOT_BYTES = 16  # its token_of and stamp entries (int64) per LRU slot
+LRU_SLOT_BYTES = 20  # its token_of and stamp entries (int64) and victims queue entry (int32) per LRU slot
 LAYOUT_KWARGS = ("kv_dtype", "kv_offload", "hot_budget", "window", "prefill_rows")
 
 

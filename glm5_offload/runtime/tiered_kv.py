@@ -10,6 +10,9 @@ small hot buffer on the attention's device serves the rows in use:
 slot_of[t] is token t's hot slot or -1. Before attention the selected rows that are not hot (misses)
 are copied into LRU slots; attention then runs over the hot buffer with indices mapped through
 slot_of, which reads the very same row values as the untiered cache: the outputs are equal.
+The misses' victims come from a queue: a select's n least recently used LRU slots (n: the fetch's selections), taken
+in its order by the fetches after it, skipping those used since; a fresh select only when fewer than a fetch's misses
+are left (a decode step at 4K with one miss no longer pays the select over the slots' ages each step).
 On a CUDA device the misses are read straight from pinned host memory by a Triton gather (zero-copy,
 kernels/gather_rows.py), and a decode step's write and fetch (one token) take one kernel each
 (kernels/hot_rows.py); the torch code here serves several tokens at once, and the CPU, where both tiers are host
@@ -43,6 +46,10 @@ class TieredLatent:
         self.misses = torch.zeros((), dtype=torch.long, device=device)
         # LRU slots never used since the reset: while K of them are left they are a fetch's K least recent
         self.unused = torch.full((), self.lru, dtype=torch.long, device=device)
+        # the victims' queue: queue[head:end] the least recent slots at fetch queued_at, not yet taken ([lru]: spare)
+        self.queue = torch.full((self.lru + 1,), self.lru, dtype=torch.int32, device=device)
+        self.queue_head, self.queue_end, self.queued_at = (torch.zeros((), dtype=torch.long, device=device)
+                                                           for _ in range(3))
 
     def row_bytes(self) -> int:
         return self.host.shape[1] * self.host.element_size()
@@ -56,6 +63,7 @@ class TieredLatent:
         self.token_of[: self.lru].masked_fill_(leaving, -1)
         self.stamp[: self.lru].masked_fill_(leaving, 0)
         self.unused += leaving.sum()
+        self.queue_end.zero_()  # the freed slots are the least recent now
         self.slot_of[begin:].fill_(-1)  # (window slots hold no token before begin: they held the last ones written)
         positions = torch.arange(begin, end, device=self.device)
         self.hot[positions % self.window] = self.host[begin:end].to(self.device, non_blocking=True)
@@ -97,6 +105,7 @@ class TieredLatent:
         if indices.shape[0] == 1 and indices.shape[1] <= hot_rows.MAX_SELECTIONS and one_token_kernels(self.device):
             src, dst, mapped = hot_rows.fetch_one(indices[0].contiguous(), positions, self.slot_of, self.token_of,
                                                   self.stamp, self.step, self.hits, self.misses, self.unused,
+                                                  self.queue, self.queue_head, self.queue_end, self.queued_at,
                                                   self.window)
             gather_rows(self.host, src, self.hot, dst)
             return mapped[None]
@@ -112,7 +121,7 @@ class TieredLatent:
         miss = valid & ~hit
         self.step += 1
         self.stamp[torch.where(hit & (slot >= self.window), slot - self.window, self.lru)] = self.step
-        victims = least_recent(self.stamp[: self.lru], self.step, t.numel())
+        victims = self.next_victims(miss.sum(), t.numel())
         lru_slot = torch.where(miss, victims[(miss.cumsum(0) - 1).clamp(min=0)], self.lru)
         evicted = self.token_of[lru_slot]
         self.unused -= (miss & (evicted < 0)).sum()
@@ -126,6 +135,28 @@ class TieredLatent:
         self.hits += hit.sum()
         self.misses += miss.sum()
         return self.slot_of[indices]
+
+    def next_victims(self, misses: torch.Tensor, n: int) -> torch.Tensor:
+        """LRU slots [n], the first `misses` (0-d) of them a fetch's victims (its n selections' hits already
+        stamped): the queue's next n entries not used since they were queued, those first, or where fewer than
+        `misses` are, a fresh select of the n least recent, which becomes the queue. The taken leave it. Tensor work,
+        no host-side value (kernels/hot_rows.py's decode fetch does the same in its program)."""
+        i = torch.arange(n, device=self.device)
+        at = self.queue_head + i
+        queued = self.queue[at.clamp(max=self.lru)].long()
+        usable = (at < self.queue_end) & (self.stamp[queued] < self.queued_at)
+        refill = usable.sum() < misses
+        fresh = least_recent(self.stamp[: self.lru], self.step, n)
+        queued, usable = torch.where(refill, fresh, queued), usable | refill
+        rank = usable.cumsum(0) - 1
+        victims = torch.full((n + 1,), self.lru, dtype=torch.long, device=self.device)
+        victims[torch.where(usable, rank, n)] = queued  # the usable in order ([n]: the rest)
+        taken = torch.where(usable & (rank < misses), i + 1, 0).max()
+        self.queue[:n] = torch.where(refill, fresh, self.queue[:n].long()).int()
+        self.queue_head.copy_(torch.where(refill, 0, self.queue_head) + taken)
+        self.queue_end.copy_(torch.where(refill, n, self.queue_end))
+        self.queued_at.copy_(torch.where(refill, self.step, self.queued_at))
+        return victims[:n]
 
     def fits_fetch(self, indices: torch.Tensor) -> bool:
         """Whether the queries of indices [S, K] can read the hot buffer: their misses fit the LRU part twice over, and
