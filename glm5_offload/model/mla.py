@@ -254,23 +254,25 @@ class Attention(nn.Module):
         w = self.kv_b_weight(x)
         beside = S <= BESIDE_ROWS
         # a decode step's query (q_b_proj, rope, W_UK) on a GPU's side stream, beside the cache's write, the indexer
-        # and the tiered fetch (each a chain of small kernels)
+        # and the tiered fetch (each a chain of small kernels); a full layer's latent row is written there too (that
+        # stream has slack while the indexer selects)
         with Beside(x.device, on=beside) as query:
             q_lat, q_pe = self.query(qr, cos, sin, w)
+            if self.indexer is not None:
+                self.write_latent(kv_a, cos, sin, cache, positions)
         if self.indexer is None:
             self.write_latent(kv_a, cos, sin, cache, positions)
             indices = shared_indices
         else:
             with span("indexer", x.device):  # inside "attention": `glm5 bench` shows it as a part of it
                 keys = cache.index_keys[self.layer]
-                # a full layer's cache writes (its latent row, the indexer's key) and head weights on a second side
-                # stream, beside the indexer's query (wq_b and its rope)
+                # the indexer's key and head weights on a second side stream, beside its query (wq_b and its rope)
                 with Beside(x.device, on=beside, stream=1) as writes:
-                    self.write_latent(kv_a, cos, sin, cache, positions)
                     weights = self.indexer.write(x, cos, sin, keys, positions, k)
                 q = self.indexer.query(qr, cos, sin)
                 writes.join()
                 indices = self.indexer.selected(q, keys, weights, positions, end)
+            query.join()  # the latent row written before the fetch reads and updates the cache's tables
         o_lse = None  # a key slab of the cache after the first merges into the earlier ones' attention
         for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
             query.join()  # (after the first slab's fetch: the later joins find nothing more to wait for)
