@@ -18,6 +18,7 @@ from . import INTERPRET
 from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot, round_to_bf16
 from .rope_triton import pairs, rotated
 
+DECODE_QUERIES = 4  # indexer_scores' queries up to which a call takes the decode form (and not FP8 queries)
 
 @triton.jit
 def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D: tl.constexpr, RD: tl.constexpr,
@@ -79,18 +80,30 @@ def head_weights(x: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.T
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, out_ptr, S, T, scale, H: tl.constexpr, D: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr, CAST: tl.constexpr,
-                    FP8: tl.constexpr):
+def _indexer_kernel(q_ptr, k_ptr, ks_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, S, T, scale, H: tl.constexpr,
+                    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, KEY_BLOCKS: tl.constexpr,
+                    CAST: tl.constexpr, FP8: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    BF16: tl.constexpr):
     # q [S, H, D], keys [T, D] (FP8: e4m3 bytes with scales ks [T]), w [S, H] fp32, out [S, T] fp32;
     # one program: BLOCK_S queries x KEY_BLOCKS blocks of BLOCK_T keys, the queries loaded once. An FP8 key's
     # scale (> 0) comes out of the ReLU: relu(q . k8 s) = s relu(q . k8), so keys enter the dot exactly and
-    # the score is scaled after.
+    # the score is scaled after. HALF > 0: q is not roped yet; its first 2 HALF values are rotated here by cos, sin
+    # [S, HALF] fp32 as rope_triton.rope rotates them (BF16: each op rounded as torch's bf16 ops round: the same
+    # values).
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_s * BLOCK_S * H + tl.arange(0, BLOCK_S * H)  # (query, head) pairs, head fastest
     d = tl.arange(0, D)
     row_ok = rows < S * H
     q = tl.load(q_ptr + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    if HALF > 0:
+        i = tl.where(d < HALF, d, d - HALF)[None, :]  # each value's pair (the rest's: unused)
+        in_pairs = row_ok[:, None] & (d < 2 * HALF)[None, :]
+        c = tl.load(cos_ptr + (rows // H)[:, None] * HALF + i, mask=in_pairs, other=0.0)
+        sn = tl.load(sin_ptr + (rows // H)[:, None] * HALF + i, mask=in_pairs, other=0.0)
+        x1, x2 = pairs(q_ptr + rows[:, None] * D, i, in_pairs, HALF, INTERLEAVED)
+        first, second = rotated(x1, x2, c, sn, BF16)
+        q = tl.where(d[None, :] < HALF, first, tl.where(d[None, :] < 2 * HALF, second, q.to(tl.float32)))
+        q = q.to(q_ptr.dtype.element_ty)
     if CAST:
         q = q.to(tl.float32)
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0)
@@ -172,23 +185,28 @@ def quantize_queries(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tens
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                    out: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
                    block_s: int | None = None, block_t: int | None = None, key_blocks: int | None = None,
-                   num_warps: int | None = None, num_stages: int = 3, q_fp8: bool | None = None) -> torch.Tensor:
+                   num_warps: int | None = None, num_stages: int = 3, q_fp8: bool | None = None,
+                   rope: tuple | None = None) -> torch.Tensor:
     """score[s, t] = sum_h w[s,h] relu(q[s,h] . k[t]) D^-0.5, -inf for t > positions[s].
 
     q [S, H, D], keys [T, D] (bf16 or fp32, or float8_e4m3fn with key_scales [T] fp32), weights [S, H] fp32,
     positions [S] int64 (on the device: a CUDA graph replays it for any position) -> [S, T] fp32. q_fp8 (FP8 keys
-    only; default: a prefill, S > 4, on a GPU with FP8 tensor cores) quantises q per (query, head)
-    (quantize_queries) and runs _indexer_fp8_kernel (FP8 dots; the weighted sum over heads in bf16). The block
-    shapes default to the fastest of bench_dsa's sweeps on an H200.
+    only; default: a prefill, S > DECODE_QUERIES, on a GPU with FP8 tensor cores) quantises q per (query, head)
+    (quantize_queries) and runs _indexer_fp8_kernel (FP8 dots; the weighted sum over heads in bf16). rope (cos, sin
+    [S, rope_dim/2] fp32, rope_dim, interleaved), not with q_fp8: q is not roped yet, and the kernel ropes it as it
+    loads it (rope_triton.rope's values: a decode step's indexer saves that launch). The block shapes default to
+    the fastest of bench_dsa's sweeps on an H200.
     """
     fp8 = keys.dtype == torch.float8_e4m3fn
     if fp8 != (key_scales is not None):
         raise ValueError("float8_e4m3fn keys need their key_scales, and only they")
     S, H, D = q.shape
     if q_fp8 is None:
-        q_fp8 = fp8 and S > 4 and has_fp8_dot(q.device)
+        q_fp8 = fp8 and S > DECODE_QUERIES and has_fp8_dot(q.device)
     if q_fp8 and not fp8:
         raise ValueError("q_fp8 is for float8_e4m3fn keys")
+    if q_fp8 and rope is not None:
+        raise ValueError("rope is for queries in their dtype, not q_fp8's")
     T = keys.shape[0]
     out = torch.empty(S, T, dtype=torch.float32, device=q.device) if out is None else out
     if q_fp8:
@@ -202,16 +220,21 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, p
                                   FP8_HW=has_fp8_dot(q.device), CAST=INTERPRET, num_warps=num_warps or 4,
                                   num_stages=num_stages)
         return out
-    decode = S <= 4
+    decode = S <= DECODE_QUERIES
     block_s = min(block_s or max(1, 256 // H), triton.next_power_of_2(S))  # BLOCK_S * H rows feed tl.dot
     block_t = block_t or 128
     key_blocks = key_blocks or (1 if decode else 4)
     grid = (triton.cdiv(T, block_t * key_blocks), triton.cdiv(S, block_s))
     scales = key_scales.contiguous() if fp8 else weights  # any fp32 tensor stands in when unused
     keys = keys.contiguous().view(torch.uint8) if fp8 else keys.contiguous()
-    _indexer_kernel[grid](q.contiguous(), keys, scales, weights.float().contiguous(), positions.contiguous(), out,
-                          S, T, D**-0.5, H=H, D=D, BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
-                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, num_warps=num_warps or 8,
+    cos, sin, rope_dim, interleaved = rope or (weights, weights, 0, False)  # (any fp32 tensors when unused)
+    if rope_dim % 2 or (rope_dim // 2) & (rope_dim // 2 - 1) or rope_dim > D:
+        raise ValueError(f"indexer_scores: rope_dim {rope_dim} must be even, half a power of two, and at most {D}")
+    _indexer_kernel[grid](q.contiguous(), keys, scales, weights.float().contiguous(), positions.contiguous(),
+                          cos.float().contiguous(), sin.float().contiguous(), out, S, T, D**-0.5, H=H, D=D,
+                          BLOCK_S=block_s, BLOCK_T=block_t, KEY_BLOCKS=key_blocks,
+                          CAST=INTERPRET or q.dtype == torch.float32, FP8=fp8, HALF=rope_dim // 2,
+                          INTERLEAVED=interleaved, BF16=q.dtype == torch.bfloat16, num_warps=num_warps or 8,
                           num_stages=num_stages)
     return out
 

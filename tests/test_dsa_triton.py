@@ -9,6 +9,7 @@ from glm5_offload.kernels import INTERPRET, dsa_triton
 from glm5_offload.loader import load_model
 from glm5_offload.model import indexer_scores, sparse_mla, topk_indices
 from glm5_offload.model.mla import merge_attention
+from glm5_offload.model.rope import apply_rope
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.kv_cache import new_cache
 
@@ -42,6 +43,41 @@ def test_indexer_scores(dtype, S, H, T, start):
 
 def test_indexer_scores_several_key_blocks_per_program():  # the last program's blocks run past T
     check_indexer(6, 8, 32, 700, 694, torch.bfloat16, seed=5, block_s=2, block_t=64, key_blocks=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("S, interleaved, fp8", [(1, True, True), (3, False, False)])
+def test_indexer_scores_rope_the_queries_they_load(dtype, S, interleaved, fp8):
+    """rope: a decode step's unroped queries, roped in the kernel: the scores of the queries Indexer._rope ropes (in
+    bf16 the same values, so the same scores; fp32 to its rounding)."""
+    g = torch.Generator().manual_seed(S)
+    H, D, rope_dim, T = 8, 32, 16, 300
+    q = torch.randn(S, H, D, generator=g).to(DEVICE, dtype)
+    angles = torch.rand(S, rope_dim // 2, generator=g) * 100
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    keys = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    scales = None
+    if fp8:
+        keys, scales = quantize_keys(keys.float())
+    w = torch.randn(S, H, generator=g).to(DEVICE)
+    positions = torch.arange(T - S, T, device=DEVICE)
+    rot, rest = q.split([rope_dim, D - rope_dim], dim=-1)
+    roped = torch.cat([apply_rope(rot, cos, sin, interleaved), rest], dim=-1)
+    got = dsa_triton.indexer_scores(q, keys, w, positions, key_scales=scales, rope=(cos, sin, rope_dim, interleaved))
+    want = dsa_triton.indexer_scores(roped, keys, w, positions, key_scales=scales)
+    finite = torch.isfinite(want)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        assert torch.equal(torch.isfinite(got), finite) and rel_err(got[finite], want[finite]) < 1e-5
+    ref = indexer_scores(roped, keys.float() * scales[:, None] if fp8 else keys, w, positions)
+    assert rel_err(got[finite], ref[finite]) < 1e-5
+    assert rel_err(got[finite], dsa_triton.indexer_scores(q, keys, w, positions, key_scales=scales)[finite]) > 0.1
+    with pytest.raises(ValueError, match="rope_dim 12"):
+        dsa_triton.indexer_scores(q, keys, w, positions, key_scales=scales, rope=(cos, sin, 12, interleaved))
+    if fp8:
+        with pytest.raises(ValueError, match="not q_fp8"):
+            dsa_triton.indexer_scores(q, keys, w, positions, key_scales=scales, q_fp8=True, rope=(cos, sin, 16, True))
 
 
 def check_mla(S, H, L, R, T, K, dtype, seed, splits=None, fp8=False):
@@ -251,7 +287,8 @@ ON = [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() 
 @pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
 def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device, arch):
     """Parity with transformers: GLM-5 with IndexShare (its indexer's rope interleaved), DeepSeek-V3.2 (an indexer
-    on every layer, its rope half-split; yarn)."""
+    on every layer, its rope half-split; yarn); a prompt, then decode steps past index_topk (their indexer queries
+    roped in the score kernel)."""
     from glm5_offload.ops.dsa_triton import TritonAttention, TritonIndexer
 
     path, hf = hf_checkpoint(arch)
@@ -266,6 +303,10 @@ def test_tiny_model_through_the_triton_operator(hf_checkpoint, tmp_path, device,
                         else [TritonIndexer] * len(layers))
     ours = model(ids.to(device), new_cache(model, 64)).cpu()
     assert max(rel_err(ours[i], theirs[i]) for i in range(len(ids))) < 1e-4
+    cache = new_cache(model, 64)
+    model(ids[:24].to(device), cache)
+    steps = [model(ids[i : i + 1].to(device), cache).cpu()[0] for i in range(24, len(ids))]
+    assert max(rel_err(row, theirs[i]) for i, row in enumerate(steps, start=24)) < 1e-4
 
 
 def check_indexer_fp8(S, H, D, T):
@@ -322,8 +363,6 @@ def test_fused_rope_and_fp8_quantisation(interleaved):
 
 
 def check_rope_quant(N, D, RD, interleaved):
-    from glm5_offload.model.rope import apply_rope
-
     g = torch.Generator().manual_seed(int(interleaved))
     k = torch.randn(N, D, generator=g).to(DEVICE)
     angles = torch.rand(N, RD // 2, generator=g).to(DEVICE) * 6

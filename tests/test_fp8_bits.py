@@ -82,6 +82,9 @@ int4_gemv = {**{k: v for k, v in int4_linear.items() if v != "constexpr"}, "w_pt
 indexer = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*fp32",
            "S": "i32", "T": "i32", "scale": "fp32"}
 indexer_fp8 = {**indexer, "q_ptr": "*u8", **K("H D BLOCK_S S_PAD BLOCK_T KEY_BLOCKS FP8_HW CAST")}
+indexer_roped = {"q_ptr": "*bf16", "k_ptr": "*u8", "ks_ptr": "*fp32", "w_ptr": "*fp32", "pos_ptr": "*i64",
+                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*fp32", "S": "i32", "T": "i32", "scale": "fp32",
+                 **K("H D BLOCK_S BLOCK_T KEY_BLOCKS CAST FP8 HALF INTERLEAVED BF16")}
 indexer_fp8_tile = lambda hw: dict(H=32, D=128, BLOCK_S=8, S_PAD=16, BLOCK_T=64, KEY_BLOCKS=16, FP8_HW=hw, CAST=False)
 quantize = {"x_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "K": "i32", "rows": "i32",
             **K("BLOCK_M FP8_MAX FP8_HW")}
@@ -101,8 +104,9 @@ KERNELS = [
     (d._rope_quant_kernel, {"k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*u8",
                             "scale_ptr": "*fp32", "rows_ptr": "*i64", **K("D RD HALF REST INTERLEAVED FP8_MAX")},
      dict(D=128, RD=64, HALF=32, REST=64, INTERLEAVED=False, FP8_MAX=448.0)),
-    (d._indexer_kernel, {**indexer, **K("H D BLOCK_S BLOCK_T KEY_BLOCKS CAST FP8")},
-     dict(H=32, D=128, BLOCK_S=8, BLOCK_T=128, KEY_BLOCKS=4, CAST=False, FP8=True)),
+    *((d._indexer_kernel, indexer_roped, dict(H=32, D=128, BLOCK_S=block_s, BLOCK_T=128, KEY_BLOCKS=blocks, CAST=False,
+                                              FP8=True, HALF=half, INTERLEAVED=True, BF16=True))
+      for block_s, blocks, half in ((8, 4, 0), (1, 1, 32))),  # a prefill chunk's; a decode step's, its rope in it
     (d._indexer_fp8_kernel, indexer_fp8, indexer_fp8_tile(False)),
     (d._sparse_mla_kernel, {"qc_ptr": "*bf16", "qr_ptr": "*bf16", "lat_ptr": "*u8", "idx_ptr": "*i64",
                             "out_ptr": "*fp32", "lse_ptr": "*fp32", "S": "i32", "K": "i32", "H": "i32",
@@ -225,4 +229,4 @@ def test_every_kernel_compiles_for_sm86():
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "45 kernels" in proc.stdout
+    assert "46 kernels" in proc.stdout

@@ -7,10 +7,13 @@ rows over 64K keys by a sample's threshold (topk_triton.topk_sampled; torch.topk
 ones and the pooled indexer's (index_kpool times shorter) with torch.topk. FP8 indexer keys are roped and quantised
 by one kernel straight into the cache rows, FP8 latent rows likewise (k_pe's rope, the cat with c and the
 quantisation: dsa_triton.quantize_latent); a decode step's query rope runs in absorbed MLA's W_UK launch
-(mla_absorb.absorb_query); the indexer's queries, and other steps' MLA ropes, take kernels/rope_triton.py's kernel on a
-GPU (on the CPU torch's: in Triton's interpreter each launch costs some 10 ms). A decode step's indexer head weights
+(mla_absorb.absorb_query), its indexer queries' in the score kernel (UnropedQueries); a prefill's indexer queries, and
+its MLA ropes, take kernels/rope_triton.py's kernel on a GPU (on the CPU torch's: in Triton's interpreter each launch
+costs some 10 ms). A decode step's indexer head weights
 (weights_proj's fp32 GEMV and the scale) are one launch (dsa_triton.head_weights).
 """
+
+from typing import NamedTuple
 
 import torch
 
@@ -37,15 +40,39 @@ def head_weights(indexer, x) -> torch.Tensor:
     return mla.head_weights(proj, x, indexer.n_heads)
 
 
+class UnropedQueries(NamedTuple):
+    """A decode step's indexer queries q [S, H, D] before their rope, which the score kernel applies as it loads them
+    (cos, sin [S, rope_dim/2]): TritonIndexer.query's, for its selected."""
+    q: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class TritonIndexer(Indexer):
     fp8_queries = True  # the rule's kwarg: a prefill over FP8 keys on an FP8 GPU quantises its queries too
     sampled_topk = True  # the rule's kwarg: a prefill's wide rows take topk_triton.topk_sampled
 
+    def query(self, qr, cos, sin):
+        """Decode rows: wq_b's queries, their rope left to the score kernel (UnropedQueries: a launch fewer)."""
+        if qr.shape[0] > dsa_triton.DECODE_QUERIES or not self.rope_dim:
+            return super().query(qr, cos, sin)
+        return UnropedQueries(self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
+
+    def selected(self, q, keys, weights, positions, end: int):
+        if not isinstance(q, UnropedQueries):
+            return super().selected(q, keys, weights, positions, end)
+        if q.q.shape[0] > self.query_chunk(end):  # scored in parts (beyond 2^25 keys): roped first
+            return super().selected(self._rope(*q), keys, weights, positions, end)
+        return self.top(q, keys, weights, positions, end)
+
     def scores(self, q, keys, weights, positions, end):
+        rope = None
+        if isinstance(q, UnropedQueries):
+            q, rope = q.q, (q.cos, q.sin, self.rope_dim, self.interleaved)
         if isinstance(keys, FP8Keys):
             return dsa_triton.indexer_scores(q, keys.values[:end], weights, positions, key_scales=keys.scales[:end],
-                                             q_fp8=None if self.fp8_queries else False)
-        return dsa_triton.indexer_scores(q, keys[:end], weights, positions)
+                                             q_fp8=None if self.fp8_queries else False, rope=rope)
+        return dsa_triton.indexer_scores(q, keys[:end], weights, positions, rope=rope)
 
     def head_weights(self, x):
         return head_weights(self, x)
