@@ -18,6 +18,7 @@ from . import INTERPRET
 from .fp8_bits import e4m3_to_f16, f32_to_e4m3, has_fp8_dot, round_to_bf16
 from .rope_triton import pairs, rotated
 
+COMBINE_L = 128  # sparse MLA's split combine: a program's values of a head (64 heads x 4 blocks for GLM-5's 512)
 DECODE_QUERIES = 4  # indexer_scores' queries up to which a call takes the decode form (and not FP8 queries)
 
 @triton.jit
@@ -314,11 +315,12 @@ def _sparse_mla_kernel(qc_ptr, qr_ptr, lat_ptr, idx_ptr, range_ptr, out_ptr, lse
 
 @triton.jit
 def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SPLITS: tl.constexpr, L: tl.constexpr,
-                    ACCUMULATE: tl.constexpr):
-    # part_out [splits, S*H, L], part_lse [splits, S*H] -> out [S*H, L], lse [S*H]; one program per (s, head);
-    # SPLITS: splits rounded up to a power of two; ACCUMULATE: out and lse hold another row set's, merged in
-    r = tl.program_id(0)
-    sp, lc = tl.arange(0, SPLITS), tl.arange(0, L)
+                    BLOCK_L: tl.constexpr, ACCUMULATE: tl.constexpr):
+    # part_out [splits, S*H, L], part_lse [splits, S*H] -> out [S*H, L], lse [S*H]; one program per (s, head) and
+    # BLOCK_L of the L values (the first block's program writes lse); SPLITS: splits rounded up to a power of two;
+    # ACCUMULATE: out and lse hold another row set's, merged in
+    r, block = tl.program_id(0), tl.program_id(1)
+    sp, lc = tl.arange(0, SPLITS), block * BLOCK_L + tl.arange(0, BLOCK_L)
     lse = tl.load(part_lse_ptr + sp * SH + r, mask=sp < splits, other=float("-inf"))  # -inf: split without a row
     prior = tl.load(lse_ptr + r) if ACCUMULATE else float("-inf")
     top = tl.maximum(tl.max(lse, axis=0), prior)
@@ -330,7 +332,8 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, SH, splits, SP
     if ACCUMULATE:
         o += tl.load(out_ptr + r * L + lc) * w_prior
     tl.store(out_ptr + r * L + lc, o / tl.where(total == 0.0, 1.0, total))
-    tl.store(lse_ptr + r, top + tl.log(total))
+    if block == 0:  # (ACCUMULATE takes one block: no other program reads the prior lse this overwrites)
+        tl.store(lse_ptr + r, top + tl.log(total))
 
 
 @triton.jit
@@ -488,6 +491,8 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, in
         BLOCK_K=block_k, CAST=cast, FP8=fp8, RANGED=span is not None, ACCUMULATE=accumulate and splits == 1,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _combine_kernel[(S * H,)](part_out, part_lse, out, lse, S * H, splits, SPLITS=triton.next_power_of_2(splits),
-                                  L=L, ACCUMULATE=accumulate)
+        block_l = L if accumulate else min(L, COMBINE_L)
+        _combine_kernel[(S * H, L // block_l)](part_out, part_lse, out, lse, S * H, splits,
+                                               SPLITS=triton.next_power_of_2(splits), L=L, BLOCK_L=block_l,
+                                               ACCUMULATE=accumulate)
     return out, lse

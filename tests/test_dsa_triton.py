@@ -112,6 +112,12 @@ def test_sparse_mla(dtype, S, H, K, splits):  # split holds only -1 padding
     check_mla(S, H, 64, 16, 300, K, dtype, seed=S + H + K, splits=splits)
 
 
+def test_sparse_mla_splits_combined_by_blocks_of_values(monkeypatch):
+    """The combine's programs each take COMBINE_L of a head's values (here 16 of 64: four a head)."""
+    monkeypatch.setattr(dsa_triton, "COMBINE_L", 16)
+    check_mla(2, 8, 64, 16, 400, 300, torch.float32, seed=4, splits=3)  # (three splits of 128 rows)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_sparse_mla_over_one_run_of_each_row(splits):
     """A key slab's indices (the tiered cache's prefill): each row sorted, valid only in one run, the rest -1;

@@ -117,7 +117,7 @@ KERNELS = [
                             "rows_per_split": "i32", "scale": "fp32", **K("L R RB G BLOCK_H BLOCK_K CAST FP8")},
      dict(L=512, R=0, RB=16, G=128, BLOCK_H=16, BLOCK_K=64, CAST=False, FP8=True)),
     (d._combine_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
-                         "SH": "i32", "splits": "i32", **K("SPLITS L")}, dict(SPLITS=8, L=512)),
+                         "SH": "i32", "splits": "i32", **K("SPLITS L BLOCK_L")}, dict(SPLITS=8, L=512, BLOCK_L=128)),
     (d._fp8_latent_to_bf16_kernel, {"src_ptr": "*u8", "dst_ptr": "*bf16", "T": "i32", **K("L R RB G BLOCK_T")},
      dict(L=512, R=64, RB=64, G=128, BLOCK_T=16)),
     *[(d._quantize_latent_kernel, {"rows_ptr": "*bf16", "pe_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
