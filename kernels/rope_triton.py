@@ -2,10 +2,10 @@
 
 The reference is model/rope.py's apply_rope, nine kernels in torch (cos and sin cast, four products, a difference,
 a sum, the cat), and for the indexer's queries a split and a second cat around it. A full layer ropes four tensors
-per step (MLA's query and key parts, the indexer's queries, and its keys): in a decode step each is roped inside the
-kernel that reads it next (`pairs` and `rotated` here: mla_absorb's W_UK product, dsa_triton's indexer scores and its
-FP8 key and latent rows), so it launches no rope kernel instead of some forty; this kernel ropes a prefill's indexer
-queries.
+per step (MLA's query and key parts, the indexer's queries, and its keys): in a decode step over FP8 cache rows (the
+shipped rules) each is roped inside the kernel that reads it next (`pairs` and `rotated` here: mla_absorb's W_UK
+product, dsa_triton's indexer scores and its FP8 key and latent rows), so it launches no rope kernel instead of some
+forty; this kernel ropes the rest (a prefill's indexer queries, keys bound for rows in the compute dtype).
 
 Bit-exact with the reference in bf16 (each product, difference and sum rounded to bf16 as torch's bf16 ops round
 their fp32 result, by bits: Triton's interpreter truncates bf16 casts); fp32 to rounding, where the GPU may contract
