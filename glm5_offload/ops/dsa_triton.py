@@ -9,8 +9,8 @@ by one kernel straight into the cache rows, FP8 latent rows likewise (k_pe's rop
 quantisation: dsa_triton.quantize_latent); a decode step's query rope runs in absorbed MLA's W_UK launch
 (mla_absorb.absorb_query), its indexer queries' in the score kernel (UnropedQueries); a prefill's indexer queries, and
 its MLA ropes, take kernels/rope_triton.py's kernel on a GPU (on the CPU torch's: in Triton's interpreter each launch
-costs some 10 ms). A decode step's indexer head weights
-(weights_proj's fp32 GEMV and the scale) are one launch (dsa_triton.head_weights).
+costs some 10 ms). A decode step's indexer head weights (weights_proj's fp32 GEMV and the scale) are one launch
+(dsa_triton.head_weights).
 """
 
 from typing import NamedTuple
