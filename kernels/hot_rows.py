@@ -107,7 +107,9 @@ def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr
     else:
         tl.store(src_ptr + i, tl.full((BLOCK_K,), -1, tl.int64), mask=i < K)
     tl.debug_barrier()  # every slot written before the selections read theirs
-    tl.store(mapped_ptr + i, tl.load(slot_ptr + index, mask=index >= 0, other=-1), mask=i < K)
+    # the query's own row: its window slot, written before attention reads it (a shared layer's fetch runs first)
+    mapped = tl.where(index == p, p % W, tl.load(slot_ptr + index, mask=(index >= 0) & (index != p), other=-1))
+    tl.store(mapped_ptr + i, mapped.to(tl.int32), mask=i < K)
 
 
 def write_one(row: torch.Tensor, position: torch.Tensor, host: torch.Tensor, hot: torch.Tensor,
@@ -125,7 +127,7 @@ def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tens
               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TieredLatent.fetch of one query's selections indices [K] (int64, distinct, -1 = none) at position [1]: the
     tables updated in place. Returns (src, dst, mapped): the misses' host rows and their hot slots (src -1: none; for
-    gather_rows), and each selection's hot slot [K] int32 (slot_of[indices])."""
+    gather_rows), and each selection's hot slot [K] int32 (slot_of[indices] once the token's row is written)."""
     K = indices.numel()
     src, dst = (torch.empty(K, dtype=torch.int64, device=indices.device) for _ in range(2))
     victims = torch.empty(K, dtype=torch.int64, device=indices.device)

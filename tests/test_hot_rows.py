@@ -80,9 +80,9 @@ def test_a_decode_steps_write_and_fetch_equal_the_torch_path(monkeypatch, age_bl
         row = torch.randint(0, 256, (1, WIDTH), generator=g, dtype=torch.uint8).to(DEVICE)
         position = torch.tensor([end], device=DEVICE)
         # distinct picks: some of the last step's (hits), the window's rows (the oldest leaving it: misses), the
-        # token itself (hot: its row was just written), others (misses: LRU victims)
-        candidates = torch.cat([last[torch.randperm(len(last), generator=g)[: step % 7]],
-                                torch.tensor([end - WINDOW]) if step % 3 == 0 else torch.zeros(0, dtype=torch.long),
+        # token itself (hot: its row was just written, or is written after the fetch), others (misses: LRU victims)
+        first_fetched = torch.tensor([end - WINDOW, end]) if step % 3 == 0 else torch.zeros(0, dtype=torch.long)
+        candidates = torch.cat([last[torch.randperm(len(last), generator=g)[: step % 7]], first_fetched,
                                 torch.arange(end - WINDOW, end + 1)[torch.randperm(WINDOW + 1, generator=g)[:3]],
                                 torch.randperm(end + 1, generator=g)]).tolist()
         picks = torch.tensor(list(dict.fromkeys(candidates))[: K - 2])
@@ -99,7 +99,9 @@ def test_a_decode_steps_write_and_fetch_equal_the_torch_path(monkeypatch, age_bl
                 tier.write(position, row)
         assert_same(torch_path, kernels)
         assert torch.equal(mapped[0], mapped[1])
-        slots = kernels.slot_of[indices[indices >= 0].to(DEVICE)]  # (after both: as attention reads them)
+        # the fetch's slots are those attention reads after both (the token's own row included, when it came first)
+        assert torch.equal(mapped[1], kernels.slot_of[indices.to(DEVICE)])
+        slots = mapped[1][(indices >= 0).to(DEVICE)]
         assert (slots >= 0).all() and torch.equal(kernels.hot[slots.long()].cpu(),
                                                      kernels.host[indices[indices >= 0]].cpu())
         end, last = end + 1, picks

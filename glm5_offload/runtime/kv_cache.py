@@ -70,7 +70,8 @@ class KVCache:
                     torch.empty(max_seq_len, device=d, dtype=torch.float32))
             else:
                 self.index_keys[i] = torch.empty(max_seq_len, config.index_head_dim, device=d, dtype=dtype)
-        self.prefetched: dict[int, torch.cuda.Event | None] = {}  # offloaded layer -> its pending prefetch
+        # offloaded layer -> its pending prefetch: (the event to wait for or None, the slots its fetch returned)
+        self.prefetched: dict[int, tuple[torch.cuda.Event | None, torch.Tensor]] = {}
         self.sorted_indices: tuple[torch.Tensor, torch.Tensor] | None = None  # (indices, sorted): row_slabs' last
         self.kda = {i: KDAState(config, device, dtype) for i, device in (kda_devices or {}).items()}
         self.resume_point: tuple[int, dict[str, torch.Tensor]] | None = None  # (length, copies of the states)
@@ -183,9 +184,8 @@ class KVCache:
             yield rows_store[:end], indices, None
             return
         if rows_store.fits_fetch(indices):  # decode: rows from the hot buffer, misses fetched into it
-            if layer in self.prefetched:
-                del self.prefetched[layer]
-                yield rows_store.hot, rows_store.slot_of[indices], None
+            if layer in self.prefetched:  # its fetch's slots (the main stream waited for it in write_latent)
+                yield rows_store.hot, self.prefetched.pop(layer)[1], None
             else:
                 yield rows_store.hot, rows_store.fetch(indices, positions), None
             return
@@ -219,15 +219,16 @@ class KVCache:
             # in order on the current stream while a graph is captured (its pieces run in order anyway)
             in_order = rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
             with Beside(rows_store.device, on=not in_order) as beside:
-                rows_store.fetch(indices, positions)
-            self.prefetched[layer] = None
+                slots = rows_store.fetch(indices, positions)
+            event = None
             if beside.side is not None:  # waited for by the layer's event (_wait_prefetch), not joined
                 indices.record_stream(beside.side)
                 positions.record_stream(beside.side)
-                self.prefetched[layer] = beside.side.record_event()
+                event = beside.side.record_event()
+            self.prefetched[layer] = (event, slots)  # the slots attention reads once the layer's row is written
 
     def _wait_prefetch(self, layer: int):
-        event = self.prefetched.get(layer)
+        event = self.prefetched.get(layer, (None,))[0]
         if event is not None:  # the layer's fetch must finish before its window moves
             torch.cuda.current_stream(self.latent[layer].device).wait_event(event)
 

@@ -101,7 +101,8 @@ class TieredLatent:
         on the device), hot: those before the queries' own rows, which the window holds. Window rows of tokens that
         leave the window before attention reads them (< positions[-1] + 1 - window) count as misses. Needs lru >=
         2 S K, and each row's positions distinct (a top-k's). Returns the hot slot of each selection [S, K] (int32,
-        -1 = none)."""
+        -1 = none) as attention reads it, after the queries' own rows are written (before or after this fetch: their
+        window slots)."""
         if indices.shape[0] == 1 and indices.shape[1] <= hot_rows.MAX_SELECTIONS and one_token_kernels(self.device):
             src, dst, mapped = hot_rows.fetch_one(indices[0].contiguous(), positions, self.slot_of, self.token_of,
                                                   self.stamp, self.step, self.hits, self.misses, self.unused,
@@ -134,7 +135,7 @@ class TieredLatent:
         gather_rows(self.host, torch.where(miss, t, -1), self.hot, lru_slot + self.window)
         self.hits += hit.sum()
         self.misses += miss.sum()
-        return self.slot_of[indices]
+        return torch.where(indices >= below, indices % self.window, self.slot_of[indices]).int()
 
     def next_victims(self, misses: torch.Tensor, n: int) -> torch.Tensor:
         """LRU slots [n], the first `misses` (0-d) of them a fetch's victims (its n selections' hits already
