@@ -24,6 +24,9 @@ from .linear_triton import DECODE_ROWS
 BROADCAST_ROWS = 4  # up to this many tokens multiply and sum in registers; more take fp32 dots
 BLOCK_E = 64  # experts per logits program
 BLOCK_K = 128  # inputs per step (for fp32 dots; a multiple of the tokens' block in registers)
+SELECT_WARPS = 1  # the select's program: its top-k rounds' reductions within one warp (H100, GLM-5's 256 experts:
+# 5.5-5.6 us a call against 6.2-6.4 with 4 warps; most of it is reading the logits' 48 partials, which fewer
+# splits only move into a slower GEMV: bench/RESULTS.md, session 56)
 
 
 @triton.jit
@@ -122,5 +125,5 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
     _select_kernel[(T,)](part, bias, ids, weights, part.shape[0], T, E, scaling, GROUP=group, N_GROUP=n_group,
                          TOPK_GROUP=topk_group, TOP_K=top_k, BLOCK_G=triton.next_power_of_2(n_group),
                          BLOCK_J=triton.next_power_of_2(group), BLOCK_TOPK=triton.next_power_of_2(top_k), NORM=norm,
-                         num_warps=4)
+                         num_warps=SELECT_WARPS)
     return ids, weights
