@@ -45,8 +45,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm5_offload.benchmark import (bus_read_gb_s, experts_alone, experts_huge_pages, experts_replayed, format_table,
-                                    generate_split, gpu_experts, prefill_projection, prefill_split, random_prompt,
-                                    recorded_experts, replayed_seconds, run_benchmark)
+                                    generate_split, gpu_experts, moe_layer_line, prefill_projection, prefill_split,
+                                    random_prompt, recorded_experts, replayed_seconds, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.cli import show_engine_log
 from glm5_offload.config import load_config, parse_config
@@ -81,11 +81,11 @@ def decode_filled(engine: Engine, context: int, new_tokens: int) -> dict:
     prompt = engine.cache_ids + [0]  # the cached rows are the prompt's prefix: one token is prefilled
     first = engine.generate(prompt, new_tokens)
     with recorded_experts(engine.model) as calls:
-        again, graph_split = generate_split(engine, first.prompt_ids + first.output_ids, new_tokens)
+        again, graph_split, layer_step = generate_split(engine, first.prompt_ids + first.output_ids, new_tokens)
     alone = replayed_seconds(calls)
     ms = 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None
     return {"context": context, "filled": True, "new_tokens": new_tokens, "prefilled_tokens": again.prefilled_tokens,
-            "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split,
+            "decode_ms_per_token": ms, "graph_split_ms_per_token": graph_split, "moe_layer_step": layer_step,
             "experts_replayed_ms_per_token": experts_replayed(calls, alone), "call_by_call": call_by_call(calls, alone)}
 
 
@@ -137,6 +137,8 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
                   + f"; the slowest tenth of the calls carry {c['slowest_tenth_share']:.0%} of the excess; "
                   "medians by MoE layer in a step's order " + " ".join(f"{r:.2f}x" for r in c["median_ratio_by_layer"]),
                   flush=True)
+        if result["moe_layer_step"]:  # one load's own step / experts (the parts' mix two loads' experts)
+            print(moe_layer_line(result["moe_layer_step"]).strip(), flush=True)
     else:
         result = run_benchmark(engine, context, new_tokens)
     fmt = expert_format(model)

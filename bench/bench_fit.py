@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from glm5_offload.benchmark import random_prompt
+from glm5_offload.benchmark import generate_split, random_prompt
 from glm5_offload.config import load_config
 from glm5_offload.loader import load_model
 from glm5_offload.model import build_model
@@ -55,14 +55,8 @@ def run(args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     first = engine.generate(prompt, args.new_tokens)
     print(f"prefill {first.prefill_seconds:.1f} s, peak {torch.cuda.max_memory_allocated() / GiB:.2f} GiB", flush=True)
-    graphs = engine.graphs
-    before = (dict(graphs.seconds), graphs.steps) if graphs is not None else None
-    second = engine.generate(first.prompt_ids + first.output_ids + prompt[:32], args.new_tokens)
-    split = None
-    if graphs is not None:  # the second turn's replayed steps: ms per token
-        n = graphs.steps - before[1]
-        ms = {k: (graphs.seconds[k] - before[0][k]) / n * 1e3 for k in graphs.seconds}
-        split = {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
+    # the second turn's replayed steps: ms per token
+    second, split, _ = generate_split(engine, first.prompt_ids + first.output_ids + prompt[:32], args.new_tokens)
     return {
         "checkpoint": str(path), "layers": model.config.num_hidden_layers, "rules": rules.path, "context": args.context,
         "cap_bytes": cap, "load_s": load_s, "cuda_graphs": engine.graphs is not None,

@@ -3,7 +3,9 @@
 Speed comes from plain generation (what a user gets): prefill from a first run, decode from a second over
 the same positions (so CUDA graphs, when the engine decodes from them, are captured before the timing).
 With CUDA graphs the second run also gives the overlapped step's split, as the host saw it: CPU experts,
-waits for the GPU (its work not hidden behind the experts) and the rest (replays, copies, sampling).
+waits for the GPU (its work not hidden behind the experts) and the rest (replays, copies, sampling); and a MoE
+layer after another's CPU experts against the hand-off before them (the GPU's work between two layers' experts):
+that load's own step / experts, the ratio issue 18 holds to 1.1x.
 A third run takes the eager split under a Timeline (after an untimed pass over the same positions), whose
 spans synchronise the device at their edges (util.span): attention (indexer and sparse MLA included), the
 routed experts, the hidden state's host-GPU transfers around CPU experts, and the rest (dense and shared
@@ -109,7 +111,8 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         torch.cuda.reset_peak_memory_stats()
     with recorded_experts(model) as calls:
         first = engine.generate(prompt, new_tokens)
-    again, graph_split = generate_split(engine, prompt, new_tokens)  # the same positions: decode speed, graphs warm
+    # the same positions: decode speed, graphs warm
+    again, graph_split, layer_step = generate_split(engine, prompt, new_tokens)
     replayed = experts_replayed(calls)  # (the same calls as again's: greedy over the same cache)
     for _ in range(2):  # the first pass compiles what eager decode needs and the graphs did not (Triton
         # specialises integer arguments, such as a key count that is not a multiple of 16); the second is kept
@@ -128,6 +131,7 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
         "decode_ms_per_token": 1e3 / again.decode_tokens_per_s if again.decode_tokens_per_s else None,
         "cuda_graphs": engine.graphs is not None,
         "graph_split_ms_per_token": graph_split,
+        "moe_layer_step": layer_step,
         "split_ms_per_token": {k: v / new_tokens * 1e3 for k, v in split.items()},
         "split_prefilled_tokens": third.prefilled_tokens,
         "prefill_split_s": prefill,
@@ -139,17 +143,32 @@ def run_benchmark(engine: Engine, context: int, new_tokens: int, seed: int = 0) 
     }
 
 
-def generate_split(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[GenerationResult, dict | None]:
+def generate_split(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[GenerationResult, dict | None,
+                                                                                 dict | None]:
     """engine.generate, and where it decodes from CUDA graphs its steps' split per token (ms): the CPU experts, the
-    host's wait for the GPU before them, and the rest."""
+    host's wait for the GPU before them, and the rest; and its MoE layers after a step's first (moe_layer_step)."""
     graphs = engine.graphs
     if graphs is not None:
-        seconds, steps = dict(graphs.seconds), graphs.steps
+        seconds, steps, later = dict(graphs.seconds), graphs.steps, graphs.later_layers
     result = engine.generate(prompt, new_tokens)
     if graphs is None or graphs.steps == steps:
-        return result, None
+        return result, None, None
     ms = {k: (graphs.seconds[k] - seconds[k]) / (graphs.steps - steps) * 1e3 for k in graphs.seconds}
-    return result, {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
+    split = {"experts": ms["experts"], "gpu wait": ms["wait"], "other": ms["steps"] - ms["experts"] - ms["wait"]}
+    return result, split, moe_layer_step(graphs.seconds, seconds, graphs.later_layers - later)
+
+
+def moe_layer_step(seconds: dict, before: dict, layers: int) -> dict | None:
+    """A MoE layer after another (DecodeGraphs.seconds' later figures, since `before`, over `layers` such layers):
+    its CPU experts and the hand-off before them (ms a layer: the host's time from the last layer's experts to these,
+    the GPU's work in between), and step / experts, one load's own (no other load's experts in it); None where no
+    step had two MoE layers with CPU experts."""
+    if not layers:
+        return None
+    experts = (seconds["later experts"] - before["later experts"]) / layers * 1e3
+    hand_off = (seconds["hand-offs"] - before["hand-offs"]) / layers * 1e3
+    return {"layers": layers, "experts_ms": experts, "hand_off_ms": hand_off,
+            "step_over_experts": (experts + hand_off) / experts if experts > 0 else None}
 
 
 def experts_alone(model, calls: int = 16, seed: int = 0) -> float | None:
@@ -295,6 +314,13 @@ def saved_context_seconds(engine: Engine) -> dict:
                 "load_s": time.perf_counter() - t0}
 
 
+def moe_layer_line(layer: dict) -> str:
+    ratio = layer["step_over_experts"]
+    return (f"  a MoE layer after another: its CPU experts {layer['experts_ms']:.3f} ms, the hand-off before them (the "
+            f"GPU's work since the last layer's) {layer['hand_off_ms']:.3f} ms: step / experts "
+            + ("-" if ratio is None else f"{ratio:.2f}x"))
+
+
 def format_table(r: dict) -> str:
     split = r["split_ms_per_token"]
     total = sum(split.values()) or 1.0
@@ -308,6 +334,8 @@ def format_table(r: dict) -> str:
     if r["graph_split_ms_per_token"]:
         lines.append("  decode step from CUDA graphs, per token (host time; the GPU works during the experts):")
         lines += [f"    {name:<10} {ms:9.3f} ms" for name, ms in r["graph_split_ms_per_token"].items()]
+    if r["moe_layer_step"]:
+        lines.append(moe_layer_line(r["moe_layer_step"]))
     lines.append("  decode step, eager, per token (a synchronised run: parts do not overlap here):")
     lines += [f"    {name:<10} {ms:9.3f} ms  {ms / total:6.1%}" for name, ms in split.items()]
     lines.append("  prefill of the whole context, synchronised run, seconds:")

@@ -302,6 +302,12 @@ def test_bench_reports_speed_split_and_memory(tmp_path):
     assert split["experts"] > 0 and split["transfers"] == 0  # all on the CPU: nothing crosses to a GPU
     assert r["split_prefilled_tokens"] == 1  # the split run decodes from the cache, it does not prefill
     assert r["cuda_graphs"] is False and r["graph_split_ms_per_token"] is None  # no GPU: eager decode
+    assert r["moe_layer_step"] is None and "a MoE layer after another" not in table
+    graphed = format_table({**r, "graph_split_ms_per_token": {"experts": 3.0, "gpu wait": 0.4, "other": 0.1},
+                            "moe_layer_step": {"layers": 12, "experts_ms": 1.5, "hand_off_ms": 0.15,
+                                               "step_over_experts": 1.1}})  # as from a GPU's graphs
+    assert ("a MoE layer after another: its CPU experts 1.500 ms, the hand-off before them (the GPU's work since the "
+            "last layer's) 0.150 ms: step / experts 1.10x") in graphed
     prefill = r["prefill_split_s"]  # the context prefilled afresh: the indexer is a part of attention
     assert set(prefill) == {"attention", "experts", "transfers", "dense", "other", "of which indexer"}
     assert 0 < prefill["of which indexer"] < prefill["attention"] and prefill["experts"] > 0

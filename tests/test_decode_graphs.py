@@ -4,6 +4,7 @@ CPU with the pieces run eagerly, and on a GPU replayed from CUDA graphs (`gpu` m
 import pytest
 import torch
 
+from glm5_offload.benchmark import moe_layer_step
 from glm5_offload.config import load_config
 from glm5_offload.loader import load_model
 from glm5_offload.model import CUT, HostStep, build_model
@@ -56,6 +57,13 @@ def test_pieces_match_the_forward(hf_checkpoint, tmp_path, device, offload, arch
     assert graphs.steps == 12  # the two buckets' first steps are not counted
     if device == "cuda":  # the routed experts run in the host's step between the graphs
         assert graphs.seconds["experts"] > 0
+    # each step's MoE layers after its first: their experts and the hand-offs before them (benchmark.moe_layer_step)
+    moe = len(load_config(path).moe_layers)
+    assert moe >= 2 and graphs.later_layers == graphs.steps * (moe - 1)
+    assert 0 < graphs.seconds["later experts"] <= graphs.seconds["experts"] and graphs.seconds["hand-offs"] > 0
+    layer = moe_layer_step(graphs.seconds, dict.fromkeys(graphs.seconds, 0.0), graphs.later_layers)
+    assert layer["layers"] == graphs.later_layers and layer["step_over_experts"] > 1
+    assert layer["hand_off_ms"] == pytest.approx(graphs.seconds["hand-offs"] / graphs.later_layers * 1e3)
     if offload:
         assert pieces.offload_stats()["misses"] > 0
 

@@ -89,9 +89,13 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.stream = torch.cuda.Stream(model.device) if capture else None  # warm-ups and captures run on it
         self.signal = HostSignal(model.device) if capture else None  # a host step's results are ready
-        # host time of the replayed steps (capture steps are left out): whole steps, CPU experts, GPU waits
-        self.seconds = {"steps": 0.0, "experts": 0.0, "wait": 0.0}
+        # host time of the replayed steps (capture steps are left out): whole steps, CPU experts, GPU waits; and of
+        # the host steps after a step's first (a MoE layer after another): their experts, and the hand-offs before
+        # them (from the previous host step's end, its signal given, to their start: the GPU's work between two
+        # layers' CPU experts, and the launches meanwhile)
+        self.seconds = {"steps": 0.0, "experts": 0.0, "wait": 0.0, "later experts": 0.0, "hand-offs": 0.0}
         self.steps = 0  # replayed steps
+        self.later_layers = 0  # host steps after a step's first, in the replayed steps
 
     def bucket(self, end: int) -> int:
         return min(max(self.min_bucket, 1 << (end - 1).bit_length()), self.cache.max_seq_len)
@@ -117,8 +121,10 @@ class DecodeGraphs:
         if replayed:
             self.seconds["steps"] += time.perf_counter() - t0
             for name, seconds in split.items():
-                self.seconds[name] += seconds
+                if name != "later layers":
+                    self.seconds[name] += seconds
             self.steps += 1
+            self.later_layers += split["later layers"]
         return self.buckets[bucket][1].logits[0]
 
     def _record(self, bucket: int) -> tuple[list[Piece], Pass]:
@@ -163,8 +169,8 @@ class DecodeGraphs:
             raise
 
     def _replay_pieces(self, cut: list[Piece], s: Pass) -> dict[str, float]:
-        split = {"experts": 0.0, "wait": 0.0}
-        ready = None
+        split = {"experts": 0.0, "wait": 0.0, "later experts": 0.0, "hand-offs": 0.0, "later layers": 0}
+        ready = handed = None  # handed: when the last host step ended
         for i, piece in enumerate(cut):
             if piece.graph is not None and not piece.after_host:
                 piece.graph.replay()
@@ -181,8 +187,14 @@ class DecodeGraphs:
                     ready.synchronize()
                 t1 = time.perf_counter()
                 piece.host(s)
+                t2 = time.perf_counter()
                 if ahead is not None:  # one signal a wait queued: the counts stay aligned
                     self.signal.give()
                 split["wait"] += t1 - t0
-                split["experts"] += time.perf_counter() - t1
+                split["experts"] += t2 - t1
+                if handed is not None:
+                    split["hand-offs"] += t1 - handed
+                    split["later experts"] += t2 - t1
+                    split["later layers"] += 1
+                handed = time.perf_counter()
         return split
