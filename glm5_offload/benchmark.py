@@ -5,7 +5,7 @@ the same positions (so CUDA graphs, when the engine decodes from them, are captu
 With CUDA graphs the second run also gives the overlapped step's split, as the host saw it: CPU experts,
 waits for the GPU (its work not hidden behind the experts) and the rest (replays, copies, sampling); and a MoE
 layer after another's CPU experts against the hand-off before them (the GPU's work between two layers' experts):
-that load's own step / experts, the ratio issue 18 holds to 1.1x.
+that load's own step / experts (how much longer a step is than the experts it waits for).
 A third run takes the eager split under a Timeline (after an untimed pass over the same positions), whose
 spans synchronise the device at their edges (util.span): attention (indexer and sparse MLA included), the
 routed experts, the hidden state's host-GPU transfers around CPU experts, and the rest (dense and shared

@@ -121,10 +121,9 @@ class DecodeGraphs:
         if replayed:
             self.seconds["steps"] += time.perf_counter() - t0
             for name, seconds in split.items():
-                if name != "later layers":
-                    self.seconds[name] += seconds
+                self.seconds[name] += seconds
             self.steps += 1
-            self.later_layers += split["later layers"]
+            self.later_layers += max(0, sum(p.host is not None for p in self.buckets[bucket][0]) - 1)
         return self.buckets[bucket][1].logits[0]
 
     def _record(self, bucket: int) -> tuple[list[Piece], Pass]:
@@ -169,7 +168,7 @@ class DecodeGraphs:
             raise
 
     def _replay_pieces(self, cut: list[Piece], s: Pass) -> dict[str, float]:
-        split = {"experts": 0.0, "wait": 0.0, "later experts": 0.0, "hand-offs": 0.0, "later layers": 0}
+        split = {"experts": 0.0, "wait": 0.0, "later experts": 0.0, "hand-offs": 0.0}
         ready = handed = None  # handed: when the last host step ended
         for i, piece in enumerate(cut):
             if piece.graph is not None and not piece.after_host:
@@ -195,6 +194,5 @@ class DecodeGraphs:
                 if handed is not None:
                     split["hand-offs"] += t1 - handed
                     split["later experts"] += t2 - t1
-                    split["later layers"] += 1
                 handed = time.perf_counter()
         return split
