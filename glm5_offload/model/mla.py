@@ -272,10 +272,11 @@ class Attention(nn.Module):
                 q = self.indexer.query(qr, cos, sin)
                 writes.join()
                 indices = self.indexer.selected(q, keys, weights, positions, end)
-            query.join()  # the latent row written before the fetch reads and updates the cache's tables
+        # the query, and a full layer's latent row, before the fetch reads and updates the cache's tables (a shared
+        # layer's fetch ran earlier: IndexShare's prefetch)
+        query.join()
         o_lse = None  # a key slab of the cache after the first merges into the earlier ones' attention
         for latent, rows, runs in cache.row_slabs(self.layer, indices.to(x.device), positions, end):
-            query.join()  # (after the first slab's fetch: the later joins find nothing more to wait for)
             o_lse = self.attend(q_lat, q_pe, latent, rows, runs, into=o_lse)
         out = self.absorb_output(o_lse[0], w, x.dtype)
         return self.o_proj(out.reshape(S, -1)), indices
