@@ -21,6 +21,7 @@ from .rope_triton import pairs, rotated
 COMBINE_L = 128  # sparse MLA's split combine: a program's values of a head (64 heads x 4 blocks for GLM-5's 512)
 DECODE_QUERIES = 4  # indexer_scores' queries up to which a call takes the decode form (and not FP8 queries)
 
+
 @triton.jit
 def _rope_quant_kernel(k_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, rows_ptr, D: tl.constexpr, RD: tl.constexpr,
                        HALF: tl.constexpr, REST: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_MAX: tl.constexpr):
