@@ -20,6 +20,7 @@ from bench_context import fill
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from glm5_offload.benchmark import moe_layer_line, moe_layer_step
 from glm5_offload.loader import load_model
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
@@ -40,9 +41,10 @@ def busy_us(events) -> float:
 def hand_offs(prof) -> dict[str, list[tuple]]:
     """Each MoE layer of the trace after a host signal (its graph piece starts with the signal's wait kernel): (us
     from the wait's end to the last write of the experts' inputs into pinned memory (TO_HOST), the GPU's busy us and
-    its kernels and copies in that span, us until the host returned from its wait for them, those kernels and
-    copies, the wait's end), keyed by what came before the signal's wait: another MoE layer, or the step's end (head,
-    sampling, the next token's dense layers)."""
+    its kernels and copies in that span, us until the host returned from its wait for them, the wait's own us (a
+    short one: the GPU came to it late, after the host's signal), those kernels and copies, the wait's end), keyed
+    by what came before the signal's wait: another MoE layer, or the step's end (head, sampling, the next token's
+    dense layers)."""
     events = prof.events()
     gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     woke = sorted(e.time_range.end for e in events if e.name == "cudaEventSynchronize")
@@ -57,21 +59,22 @@ def hand_offs(prof) -> dict[str, list[tuple]]:
         host = next((t for t in woke if t >= ready), None)
         after = "first of a step" if any("Pageable" in e.name for e in piece) else "after a MoE layer"
         out[after].append((ready - gpu[i].time_range.end, busy_us(piece), len(piece),
-                           None if host is None else host - ready, piece, gpu[i].time_range.end))
+                           None if host is None else host - ready, gpu[i].time_range.end - gpu[i].time_range.start,
+                           piece, gpu[i].time_range.end))
     return out
 
 
 def print_hand_offs(prof):
     print("| MoE layer | layers | signal to inputs on host us | GPU busy us | kernels and copies | gaps us "
-          "| host wakes us |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| host wakes us | the signal's wait us (shortest) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     layers = hand_offs(prof)
     for after, rows in layers.items():
         if rows:
-            span, busy, count, wake = (statistics.median([v for v in col if v is not None] or [float("nan")])
-                                       for col in list(zip(*rows))[:4])
+            span, busy, count, wake, wait = (statistics.median([v for v in col if v is not None] or [float("nan")])
+                                             for col in list(zip(*rows))[:5])
             print(f"| {after} | {len(rows)} | {span:.1f} | {busy:.1f} | {count:.0f} | {span - busy:.1f} "
-                  f"| {wake:.1f} |")
+                  f"| {wake:.1f} | {wait:.1f} ({min(row[4] for row in rows):.1f}) |")
     for *_, piece, start in layers["after a MoE layer"][-1:]:  # the critical path in detail: which kernels, when
         print("\nthe last MoE layer after another, from the host's signal: us from it, us long, stream, kernel or copy")
         for e in piece:
@@ -101,6 +104,10 @@ def main(argv=None):
         first = engine.generate(prompt.tolist(), args.steps)  # prefill, and the warm-up steps
         ids = first.prompt_ids + first.output_ids
     torch.cuda.synchronize()
+    layer = engine.graphs and moe_layer_step(engine.graphs.seconds, dict.fromkeys(engine.graphs.seconds, 0.0),
+                                             engine.graphs.later_layers)
+    if layer:  # the host's own count over the warm-up steps (replayed, unprofiled), to set beside the trace's
+        print("warm-up steps, by the host's clock:" + moe_layer_line(layer)[1:])
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         engine.generate(ids, args.steps + 1)  # steps decode forwards after the one-token "prefill"

@@ -38,17 +38,17 @@ def test_busy_time_is_the_union_of_overlapping_kernels():
 def test_each_moe_layer_after_a_signal_is_timed_to_its_inputs_on_the_host():
     layers = profile_decode.hand_offs(SimpleNamespace(events=lambda: TRACE))
     (after,), (first,) = layers["after a MoE layer"], layers["first of a step"]
-    span, busy, count, wake, piece, start = after
-    assert (span, busy, count, wake, start) == (103, 95, 4, 5, 300)  # 300 -> 403; 302-320, 325-400, 401-403
+    span, busy, count, wake, wait, piece, start = after
+    assert (span, busy, count, wake, wait, start) == (103, 95, 4, 5, 244, 300)  # 300 -> 403; 302-320, 325-400, 401-403
     assert [e.name for e in piece] == ["norm", "side", "attention", STAGE]
-    assert first[:4] == (153, 102, 4, 2)  # 700 -> 853: the head, the sampling's copy, the first layer's work
+    assert first[:5] == (153, 102, 4, 2, 295)  # 700 -> 853: the head, the sampling's copy, the first layer's work
 
 
 def test_the_printed_table_has_each_kind_of_layer_and_the_last_piece_kernel_by_kernel(capsys):
     profile_decode.print_hand_offs(SimpleNamespace(events=lambda: TRACE))
     lines = capsys.readouterr().out.splitlines()
-    assert "| after a MoE layer | 1 | 103.0 | 95.0 | 4 | 8.0 | 5.0 |" in lines
-    assert "| first of a step | 1 | 153.0 | 102.0 | 4 | 51.0 | 2.0 |" in lines
+    assert "| after a MoE layer | 1 | 103.0 | 95.0 | 4 | 8.0 | 5.0 | 244.0 (244.0) |" in lines
+    assert "| first of a step | 1 | 153.0 | 102.0 | 4 | 51.0 | 2.0 | 295.0 (295.0) |" in lines
     listed = lines[lines.index("the last MoE layer after another, from the host's signal: us from it, us long, stream, "
                                "kernel or copy") + 1:]
     assert [line.split()[:3] for line in listed] == [["2.0", "8.0", "7"], ["5.0", "15.0", "7"],
