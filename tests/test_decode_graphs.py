@@ -100,8 +100,8 @@ def test_the_query_beside_the_fetch_changes_no_bit(hf_checkpoint, tmp_path, monk
 def test_the_forward_steps_cut_at_each_moe_layers_host_work(tiny_dir):
     """The model's own steps, cut as the graphs take them: per MoE layer a piece up to its routing (the host's
     wait covers it), the shared expert (and in a full layer with IndexShare layers above it, their rows' fetch: off
-    the path from the experts' end to the next layer), then the host's experts; the final piece ends with the
-    logits."""
+    the path from the experts' end to the next layer, queued first on a side stream and joined last, so that it runs
+    beside the shared expert and the GPU's experts), then the host's experts; the final piece ends with the logits."""
     model = build_model(load_config(tiny_dir()))
     cut = pieces(model.steps())
     hosts = [i for i, piece in enumerate(cut) if piece.host is not None]
@@ -109,7 +109,10 @@ def test_the_forward_steps_cut_at_each_moe_layers_host_work(tiny_dir):
     fetching = [bool(model.shared_after.get(layer)) for layer in model.config.moe_layers]
     assert any(fetching) and not all(fetching)
     for i, fetches in zip(hosts, fetching):
-        assert cut[i - 1].cut and cut[i - 1].host is None and len(cut[i].steps) == 1 + fetches and not cut[i].cut
+        assert cut[i - 1].cut and cut[i - 1].host is None and len(cut[i].steps) == 1 + 2 * fetches and not cut[i].cut
+        if fetches:
+            fork, join = cut[i].steps[0].__qualname__, cut[i].steps[-1].__qualname__
+            assert fork.endswith("prefetch.<locals>.run") and join.endswith("prefetch.<locals>.join")
     assert len(cut) == 2 * len(hosts) + 1 and cut[-1].host is None and not cut[-1].cut
     assert sum(len(piece.steps) for piece in cut) == len([s for s in model.steps() if s is not CUT
                                                           and not isinstance(s, HostStep)])

@@ -122,5 +122,5 @@ class CausalLM(DsaCausalLM):
         steps = [prepare, embed] if moe else [embed]
         for layer in self.model.layers:
             shared = self.shared_after.get(layer.layer)
-            steps += beside_host(layer.steps(), self.prefetch(shared)) if shared else layer.steps()
+            steps += beside_host(layer.steps(), *self.prefetch(shared)) if shared else layer.steps()
         return steps + [head]

@@ -116,15 +116,20 @@ class CausalLM(nn.Module):
         steps = [prepare, embed] if moe else [embed]
         for layer in self.model.layers:
             shared = self.shared_after.get(layer.self_attn.layer)
-            steps += beside_host(layer.steps(), self.prefetch(shared)) if shared else layer.steps()
+            steps += beside_host(layer.steps(), *self.prefetch(shared)) if shared else layer.steps()
         return steps + [head]
 
     @staticmethod
-    def prefetch(shared_layers: list[int]):
-        """A step: the shared layers' rows move in meanwhile (tiered cache), overlapped with the layers between."""
+    def prefetch(shared_layers: list[int]) -> tuple:
+        """Two steps: the shared layers' rows start moving in (tiered cache, on a side stream), overlapped with the
+        GPU work queued after it; and the join a CUDA graph's capture needs before its piece ends (eagerly the
+        layers in between overlap it too: each shared layer waits for its rows at its own write)."""
         def run(s: Pass):
             s.cache.prefetch(shared_layers, s.indices, s.positions)
-        return run
+
+        def join(s: Pass):
+            s.cache.join_prefetch()
+        return run, join
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache, logits_for: str = "all") -> torch.Tensor:

@@ -41,13 +41,17 @@ class HostStep:
         self.fn(s)
 
 
-def beside_host(steps: list, step) -> list:
-    """steps with `step` put where the GPU runs beside the host's work: just before the first HostStep (after the CUT
-    that the host waits on: in decode's graphs, the piece that runs while the CPU experts do), or at the end of steps
-    without one. For GPU work that later layers need and this layer's next steps do not."""
+def beside_host(steps: list, fork, join) -> list:
+    """steps with `fork` put where the GPU runs beside the host's work, and `join` where that stretch ends: fork
+    first after the CUT that the host waits on (in decode's graphs, the piece that runs while the CPU experts do,
+    ahead of its own GPU work: the shared expert, the GPU's experts), join just before the first HostStep; both at
+    the end of steps without one. For GPU work that later layers need and this layer's next steps do not: fork
+    queues it on a side stream, which join may have the current stream wait for."""
     hosts = [i for i, t in enumerate(steps) if isinstance(t, HostStep)]
     at = hosts[0] if hosts else len(steps)
-    return steps[:at] + [step] + steps[at:]
+    cuts = [i for i, t in enumerate(steps[:at]) if t is CUT]
+    start = cuts[-1] + 1 if cuts else at
+    return steps[:start] + [fork] + steps[start:at] + [join] + steps[at:]
 
 
 def run_steps(steps: list, s: Pass):

@@ -210,22 +210,29 @@ class KVCache:
 
     def prefetch(self, layers: list[int], indices: torch.Tensor, positions: torch.Tensor):
         """IndexShare: shared layers reuse a full layer's indices, so their misses can be fetched now, on a side
-        stream (CUDA), overlapped with the layers in between (on the current stream while a CUDA graph is captured:
-        its pieces run in order anyway)."""
+        stream (CUDA), overlapped with the work queued after it: until join_prefetch while a CUDA graph is captured
+        (decode: the shared expert and the GPU's experts), else until the layer's write (the layers in between)."""
         for layer in layers:
             rows_store = self.latent[layer]
             if not isinstance(rows_store, TieredLatent) or not rows_store.fits_fetch(indices):
                 continue
-            # in order on the current stream while a graph is captured (its pieces run in order anyway)
-            in_order = rows_store.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
-            with Beside(rows_store.device, on=not in_order) as beside:
+            with Beside(rows_store.device) as beside:
                 slots = rows_store.fetch(indices, positions)
             event = None
-            if beside.side is not None:  # waited for by the layer's event (_wait_prefetch), not joined
-                indices.record_stream(beside.side)
-                positions.record_stream(beside.side)
+            if beside.side is not None:  # waited for by join_prefetch or the layer's write (_wait_prefetch)
+                if not torch.cuda.is_current_stream_capturing():  # (a graph's tensors stay put in its pool)
+                    indices.record_stream(beside.side)
+                    positions.record_stream(beside.side)
                 event = beside.side.record_event()
             self.prefetched[layer] = (event, slots)  # the slots attention reads once the layer's row is written
+
+    def join_prefetch(self):
+        """While a CUDA graph is captured, the current stream waits here for the pending prefetches (a capture must
+        end with its side streams joined); eagerly nothing: each shared layer waits at its write."""
+        for layer, (event, slots) in self.prefetched.items():
+            if event is not None and torch.cuda.is_current_stream_capturing():
+                torch.cuda.current_stream(self.latent[layer].device).wait_event(event)
+                self.prefetched[layer] = (None, slots)
 
     def _wait_prefetch(self, layer: int):
         event = self.prefetched.get(layer, (None,))[0]
