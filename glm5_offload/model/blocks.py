@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..util import span
+from ..util import Beside, span
 from .steps import CUT, HostStep, Pass
 
 # as the releases store them, whatever the dtype (KDA's convolution taps and gate parameters too)
@@ -190,9 +190,11 @@ class MoE(nn.Module):
             s.routed = self.experts.begin(s.moe_x, ids, weights)
 
         def beside(s: Pass):  # the GPU's work while the host's runs
-            if self.shared_experts is not None:
-                s.shared = self.shared_experts(s.moe_x)
+            with Beside(s.moe_x.device, on=self.shared_experts is not None, stream=1) as side:
+                if self.shared_experts is not None:
+                    s.shared = self.shared_experts(s.moe_x)
             self.experts.beside(s.routed)
+            side.join()
 
         def combine(s: Pass):
             out = self.experts.finish(s.routed)
