@@ -181,8 +181,8 @@ class MoE(nn.Module):
         """leave(s, MoE(enter(s))) as steps on a Pass (enter: the block's input, e.g. a norm of the residual stream;
         leave: what the output does to the stream, given as its parts: (routed experts' sum, shared expert's output),
         whose sum is blocks.summed): the routing, whose input starts on its way to the experts (CPU experts: to the
-        host); the shared expert and the experts' GPU share (beside), queued meanwhile; the experts' host work; their
-        output handed on."""
+        host); the shared expert (on a side stream: its HBM-bound GEMVs beside the GPU's share of the experts, which
+        reads host memory) and that share (beside), queued meanwhile; the experts' host work; their output handed on."""
 
         def route(s: Pass):
             s.moe_x = enter(s)
