@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from glm5_offload.benchmark import moe_layer_line, moe_layer_step
 from glm5_offload.loader import load_model
+from glm5_offload.ops.experts_numba import NumbaExperts
 from glm5_offload.rules import load_rules
 from glm5_offload.runtime.engine import Engine
 
@@ -93,6 +94,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     max_seq_len = args.context + 4 * args.steps
     model = load_model(args.model, rules=load_rules(args.rules), max_seq_len=max_seq_len)
+    shares = sorted({m.decode_gpu_experts for m in model.modules() if isinstance(m, NumbaExperts)})
+    if shares:  # (auto's pick: what the GPU's piece beside the cores holds)
+        print(f"decode_gpu_experts: {', '.join(map(str, shares))} of a decode token's experts on the GPU")
     engine = Engine(model, max_seq_len=max_seq_len, prefill_chunk=4096)
     engine.stop_ids = set()
     if args.filled:  # the cached rows are the prompt's prefix: one token prefilled, then the warm-up steps
