@@ -17,10 +17,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from glm5_offload import benchmark  # noqa: E402
+from glm5_offload.config import load_config  # noqa: E402
+from glm5_offload.errors import Glm5Error  # noqa: E402
 from glm5_offload.loader import load_model  # noqa: E402
 from glm5_offload.rules import load_rules  # noqa: E402
 from glm5_offload.runtime.engine import Engine  # noqa: E402
 from glm5_offload.runtime.tiered_kv import TieredLatent  # noqa: E402
+from glm5_offload.tiny import make_tiny  # noqa: E402
 
 
 def test_a_marginal_layer_below_the_bound_falls_back_to_the_whole_step():
@@ -162,7 +165,6 @@ def test_a_load_measures_the_host_read_after_its_decode(tiny_dir, monkeypatch, c
     model's first decoded token an end-of-text one, the run had no decode to time.)"""
     import dataclasses
 
-    from glm5_offload.config import load_config
     from glm5_offload.formats.int_groups import nbytes
 
     filled = bench_e2e.decode_filled
@@ -226,25 +228,19 @@ def test_each_load_runs_in_a_process_of_its_own():
         bench_e2e.in_own_process(int, "not a number")
 
 
-def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None, bus=None):
-    """Configs of a 2- and a 3-layer cut of the tiny model (1 and 2 MoE layers; with shared_rest, a 3-layer one whose
+def fake_checkpoints(tmp_path, monkeypatch, experts, shared_rest=None, bus=None, preset="glm-5"):
+    """The configs of a 2- and a 3-layer cut of the preset (1 and 2 MoE layers; with shared_rest, a 3-layer one whose
     last layer is an IndexShare shared layer: all main reads of them) and bench_context faked: each load's step is
     0.5 ms + per MoE layer its experts (the next of `experts`) + 0.3 ms of rest (a shared layer's: shared_rest), and
     its host read after the decode 90, 100, 140, 100, 95, 130 GB/s in turn (bus: the GPU's pinned copy GB/s, where
     it read some experts)."""
     import json
 
-    from glm5_offload.tiny import make_tiny
-
-    config = json.loads((make_tiny(tmp_path / "tiny") / "config.json").read_text())
     cuts = {"2-layers": 2, "3-layers": 3} | ({"3-layers-shared": 3} if shared_rest is not None else {})
     for name, n in cuts.items():
-        cut = {k: v[:n] if isinstance(v, list) and len(v) == config["num_hidden_layers"] else v
-               for k, v in config.items()}
-        if name.endswith("shared"):
-            cut["indexer_types"] = ["full", "full", "shared"]
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text(json.dumps(dict(cut, num_hidden_layers=n)))
+        shared = {"indexer_types": ["full", "full", "shared"]} if name.endswith("shared") else None
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(json.dumps(bench_e2e.shaped_config(preset, n, shared)))
     experts, reads = iter(experts), itertools.cycle([90.0, 100.0, 140.0, 100.0, 95.0, 130.0])
 
     def fake_load(fn, model_dir, rules, context, *rest):
@@ -300,7 +296,7 @@ def test_indexshare_projects_glm52s_shared_layers_from_their_own_step(tmp_path, 
     75 are all full)."""
     import json
 
-    fake_checkpoints(tmp_path, monkeypatch, [2.0] * 6, shared_rest=0.1)
+    fake_checkpoints(tmp_path, monkeypatch, [2.0] * 6, shared_rest=0.1, preset="glm-5.2")
     shared = tmp_path / "3-layers-shared"
     (shared / "config.json").unlink()  # written from the full cut (cut_from, faked here: its own test is below)
     derived = []
@@ -333,7 +329,6 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
 
     from glm5_offload.ops import experts_numba
     from glm5_offload.runtime.kv_cache import new_cache
-    from glm5_offload.tiny import make_tiny
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     preset = str(make_tiny(tmp_path / "tiny") / "config.json")
@@ -372,3 +367,26 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         assert isinstance(linked.model.layers[1].mlp.experts, experts_numba.NumbaExperts)
         assert torch.equal(linked(ids, new_cache(linked, 64)), want(ids, new_cache(want, 64)))
 
+
+
+def test_a_cut_left_by_an_earlier_run_with_other_settings_is_refused(tmp_path):
+    """write_cuts keeps a cut that exists only if it holds the config it would write: one with other overrides (a
+    run with fewer routed experts) or without FP8 is refused in one line naming the folder and the key, not measured
+    as this cut; so is a single checkpoint of other layers."""
+    import json
+
+    preset = str(make_tiny(tmp_path / "tiny") / "config.json")
+    shared = {"indexer_types": ["full", "full", "shared"]}
+    bench_e2e.write_cuts(tmp_path, preset, True, [("3-layers-shared", 3, {**shared, "n_routed_experts": 4})])
+    bench_e2e.write_cuts(tmp_path, preset, True, [("3-layers-shared", 3, {**shared, "n_routed_experts": 4})])  # kept
+    experts = load_config(preset).n_routed_experts
+    with pytest.raises(Glm5Error, match=rf"3-layers-shared: an earlier cut with other settings \(n_routed_experts 4, "
+                                        rf"here {experts}\): remove it"):
+        bench_e2e.write_cuts(tmp_path, preset, True, [("3-layers-shared", 3, shared)])
+    with pytest.raises(Glm5Error, match="3-layers-shared: an earlier cut with FP8 projections, here without"):
+        bench_e2e.write_cuts(tmp_path, preset, False, [("3-layers-shared", 3, {**shared, "n_routed_experts": 4})])
+    one = tmp_path / "one"  # one layer count: the checkpoint is --dir itself
+    one.mkdir()
+    (one / "config.json").write_text(json.dumps(bench_e2e.shaped_config("glm-5", 3)))
+    with pytest.raises(Glm5Error, match=r"one: an earlier cut with other settings \(.* here .*\): remove it"):
+        bench_e2e.main(["--dir", str(one), "--layers", "2", "--contexts", "4096"])
