@@ -445,15 +445,11 @@ def main(argv=None):
             parser.error(f"--indexshare: {args.preset} has no IndexShare shared layers")
         shared = {"indexer_types": ["full"] * (counts[1] - 1) + ["shared"]}
         checkpoints.append(("shared", counts[1], shared))
-    folder = Path(args.dir)
+    folder = Path(args.dir).resolve()
     names = {key: f"{n}-layers" + ("-shared" if overrides else "") for key, n, overrides in checkpoints}
     dirs = {key: folder if len(checkpoints) == 1 else folder / names[key] for key, _, _ in checkpoints}
-    if len(checkpoints) == 1:
-        if not (folder / "config.json").is_file():
-            make_tiny(folder, preset=args.preset, layers=counts[0], fp8=args.fp8)
-        config = shaped_config(args.preset, counts[0])
-        config.update({k: v for k, v in load_json(folder / "config.json").items() if k == "quantization_config"})
-        check_cut(folder, config, args.fp8)
+    if len(checkpoints) == 1:  # the checkpoint is --dir itself: a cut of its own in its parent folder
+        write_cuts(folder.parent, args.preset, args.fp8, [(folder.name, counts[0], None)])
     else:
         write_cuts(folder, args.preset, args.fp8, [(names[key], n, overrides) for key, n, overrides in checkpoints])
     runs, loads, moe, configs, fmt, peers = {}, {}, {}, {}, None, []

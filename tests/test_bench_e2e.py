@@ -368,7 +368,6 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         assert torch.equal(linked(ids, new_cache(linked, 64)), want(ids, new_cache(want, 64)))
 
 
-
 def test_a_cut_left_by_an_earlier_run_with_other_settings_is_refused(tmp_path):
     """write_cuts keeps a cut that exists only if it holds the config it would write: one with other overrides (a
     run with fewer routed experts) or without FP8 is refused in one line naming the folder and the key, not measured
