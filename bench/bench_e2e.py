@@ -49,7 +49,7 @@ from glm5_offload.benchmark import (bus_read_gb_s, experts_alone, experts_huge_p
                                     random_prompt, recorded_experts, replayed_seconds, run_benchmark)
 from glm5_offload.checkpoint import INDEX_FILE, check_shard
 from glm5_offload.cli import show_engine_log
-from glm5_offload.config import load_config, parse_config
+from glm5_offload.config import json_object, load_config, parse_config
 from glm5_offload.errors import Glm5Error
 from glm5_offload.formats.int_groups import nbytes
 from glm5_offload.kernels.host_read import read_bandwidth_gb_s
@@ -164,17 +164,13 @@ def bench_context(model_dir: Path, rules, context: int, new_tokens: int, prefill
     return result, fmt
 
 
-def load_json(path: Path):
-    return json.loads(path.read_text())
-
-
 def cut_from(base: Path, out: Path, config: dict, keep) -> None:
     """A cut written from a larger one instead of generated again (a GLM-5.2 MoE layer takes a minute or more of the
     device's time to generate): the tensors of base that keep(name) accepts, under config. make_tiny seeds each tensor
     by its name, so a cut of fewer layers, or without a shared layer's indexer, holds what make_tiny would write for
     it. A shard whose tensors are all kept is hard-linked (copied across file systems), one with some kept is
     rewritten with them, one with none is left out; tokenizer files are linked."""
-    index = load_json(base / INDEX_FILE)
+    index = json_object(base / INDEX_FILE)
     dropped = {name for name in index["weight_map"] if not keep(name)}
     partly = {index["weight_map"][name] for name in dropped}
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
@@ -220,7 +216,7 @@ def write_cuts(folder: Path, preset: str, fp8: bool, cuts: list[tuple[str, int, 
     base = folder / base_name
     if not (base / "config.json").is_file():
         make_tiny(base, preset=preset, layers=base_layers, fp8=fp8, overrides=base_overrides)
-    quantization = load_json(base / "config.json").get("quantization_config")
+    quantization = json_object(base / "config.json").get("quantization_config")
     for name, layers, overrides in cuts:
         config = shaped_config(preset, layers, overrides)
         if quantization:
@@ -233,7 +229,7 @@ def write_cuts(folder: Path, preset: str, fp8: bool, cuts: list[tuple[str, int, 
 def check_cut(cut: Path, config: dict, fp8: bool):
     """A one-line Glm5Error unless the cut's config.json is `config` and has FP8 projections as asked: an earlier
     run's other cut under the same name would be measured as this one."""
-    held = load_json(cut / "config.json")
+    held = json_object(cut / "config.json")
     for key in sorted(config.keys() | held.keys()):
         if held.get(key) != config.get(key):
             raise Glm5Error(f"{cut}: an earlier cut with other settings ({key} {held.get(key)!r}, here "
@@ -248,7 +244,7 @@ def link_experts(model_dir: Path, others: list[Path], fmt: tuple) -> None:
     tensors: cut_from), so their loads read them instead of converting them again."""
     done = expert_store(cache_dir() / "experts", model_dir, *fmt)
     for other in others:
-        store, keep = expert_store(cache_dir() / "experts", other, *fmt), cut_keeps(load_json(other / "config.json"))
+        store, keep = expert_store(cache_dir() / "experts", other, *fmt), cut_keeps(json_object(other / "config.json"))
         for name in done.manifest().get("files", {}):
             if keep(name) and name not in store.manifest().get("files", {}):
                 store.link(name, done)

@@ -410,7 +410,8 @@ def preset_names() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in presets.iterdir() if p.name.endswith(".json"))
 
 
-def _json_object(path: Path) -> dict:
+def json_object(path: Path) -> dict:
+    """A JSON file's object, or a one-line Glm5Error naming the file (bad JSON, bad UTF-8, not an object)."""
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # (nested past Python's stack)
@@ -429,10 +430,10 @@ def load_config(path: str | Path) -> ModelConfig:
         path = Path(str(resources.files("glm5_offload") / "presets" / f"{path}.json"))
     if not path.is_file():
         raise Glm5Error(f"{path}: no such config file (or preset: {', '.join(preset_names())})")
-    config = parse_config(_json_object(path), str(path))
+    config = parse_config(json_object(path), str(path))
     generation = path.parent / "generation_config.json"
     if not generation.is_file():
         return config
     # the end-of-turn ids a release may keep only here (transformers' generate stops at them): added to config.json's
-    extra = _eos_ids(_Fields(_json_object(generation), str(generation)), config.vocab_size)
+    extra = _eos_ids(_Fields(json_object(generation), str(generation)), config.vocab_size)
     return replace(config, eos_token_ids=tuple(dict.fromkeys([*config.eos_token_ids, *extra])))

@@ -341,8 +341,8 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         got = tmp_path / name
         want = wanted[name] = make_tiny(tmp_path / f"want-{name}", preset=preset, layers=layers, fp8=True,
                                         overrides=overrides)
-        assert bench_e2e.load_json(got / "config.json") == bench_e2e.load_json(want / "config.json")
-        index, want_index = (bench_e2e.load_json(d / bench_e2e.INDEX_FILE) for d in (got, want))
+        assert bench_e2e.json_object(got / "config.json") == bench_e2e.json_object(want / "config.json")
+        index, want_index = (bench_e2e.json_object(d / bench_e2e.INDEX_FILE) for d in (got, want))
         assert index["metadata"] == want_index["metadata"]
         assert index["weight_map"].keys() == want_index["weight_map"].keys()
         tensors, want_tensors = ({k: v for f in set(i["weight_map"].values()) for k, v in load_file(d / f).items()}
@@ -350,7 +350,7 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
         assert all(torch.equal(tensors[k].view(torch.uint8), v.view(torch.uint8)) for k, v in want_tensors.items())
         shards = set(index["weight_map"].values())
         assert sum((got / f).stat().st_ino == (base / f).stat().st_ino for f in shards) == len(shards) - 1
-    names = [bench_e2e.load_json(tmp_path / cut / bench_e2e.INDEX_FILE)["weight_map"]
+    names = [bench_e2e.json_object(tmp_path / cut / bench_e2e.INDEX_FILE)["weight_map"]
              for cut in ("3-layers", "3-layers-shared")]
     assert [any(".2.self_attn.indexer." in k for k in n) for n in names] == [True, False]
     text = Path(load_rules("glm5-cpu").path).read_text()
@@ -371,7 +371,7 @@ def test_cuts_are_written_from_the_largest_and_share_its_converted_experts(tmp_p
 def test_a_cut_left_by_an_earlier_run_with_other_settings_is_refused(tmp_path):
     """write_cuts keeps a cut that exists only if it holds the config it would write: one with other overrides (a
     run with fewer routed experts) or without FP8 is refused in one line naming the folder and the key, not measured
-    as this cut; so is a single checkpoint of other layers."""
+    as this cut, as is a truncated config.json; so is a single checkpoint of other layers."""
     import json
 
     preset = str(make_tiny(tmp_path / "tiny") / "config.json")
@@ -384,6 +384,9 @@ def test_a_cut_left_by_an_earlier_run_with_other_settings_is_refused(tmp_path):
         bench_e2e.write_cuts(tmp_path, preset, True, [("3-layers-shared", 3, shared)])
     with pytest.raises(Glm5Error, match="3-layers-shared: an earlier cut with FP8 projections, here without"):
         bench_e2e.write_cuts(tmp_path, preset, False, [("3-layers-shared", 3, {**shared, "n_routed_experts": 4})])
+    (tmp_path / "3-layers-shared" / "config.json").write_text('{"num_hidden_layers": 3, "n_rout')  # truncated
+    with pytest.raises(Glm5Error, match=r"3-layers-shared/config.json: not valid JSON"):
+        bench_e2e.write_cuts(tmp_path, preset, True, [("3-layers-shared", 3, shared)])
     one = tmp_path / "one"  # one layer count: the checkpoint is --dir itself
     one.mkdir()
     (one / "config.json").write_text(json.dumps(bench_e2e.shaped_config("glm-5", 3)))
