@@ -13,7 +13,8 @@ the k-th largest key is known; one pass counts each program's keys above and equ
 positions, each program at the offset the counts before it give. Inside a CUDA graph a pass costs a few
 microseconds whatever it does, so the passes are few (bench/RESULTS.md: 8 passes of 4 bits were slower). A row of
 at most ROW_PROGRAM_WIDTH scores (a decode step's within a 4K context) takes one program that makes every pass itself
-(_row_topk_kernel: one launch); its pieces (_kth_of_row, _write_top_of_row) also choose the tiered cache's LRU
+(_row_topk_kernel: one launch; a row of one block keeps its keys in registers and stops at the first digit whose keys
+are all taken, _block_topk); its pieces (_kth_of_row, _write_top_of_row) also choose the tiered cache's LRU
 victims inside kernels/hot_rows.py's fetch.
 """
 
@@ -220,11 +221,45 @@ def _write_top_of_row(ptr, T, k, kth, ties, limit, out_ptr, step, OLDEST: tl.con
 
 
 @triton.jit
-def _row_topk_kernel(scores_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    # scores [rows, T] fp32 -> out [rows, k] int64: one program a row, the whole select
+def _block_topk(ptr, T, k, out_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """The whole select over a row of T <= BLOCK fp32 scores, its keys read once and kept in registers. The passes
+    stop early once every key that starts with the chosen digits is among the top k (then the least of them is the
+    k-th, and every key equal to it is taken): after two or three digits on most rows, not four."""
+    t = tl.arange(0, BLOCK)
+    ok = t < T
+    key = _keys(tl.load(ptr + t, mask=ok, other=0.0))
+    group = ok  # the keys that start with the digits chosen so far
+    prefix = tl.zeros((), tl.uint32)
+    remaining = tl.zeros((), tl.int32) + k
+    bins = tl.arange(0, 1 << BITS)
+    level = 0
+    taken = 0  # every key of the group is among the top k
+    while (level < 32 // BITS) & (taken == 0):
+        shift = (32 - BITS * (level + 1)).to(tl.uint32)
+        h = tl.histogram(((key >> shift) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=group)
+        prefix, remaining = _pick_digit(h, prefix, remaining, BITS)
+        group = group & ((key >> shift) == prefix)
+        taken = (tl.sum(tl.where(bins == (prefix & ((1 << BITS) - 1)).to(tl.int32), h, 0)) == remaining).to(tl.int32)
+        level += 1
+    kth = tl.min(tl.where(group, key, 0xFFFFFFFF), 0)
+    ties = tl.where(taken != 0, tl.sum((group & (key == kth)).to(tl.int32)), remaining)
+    value = tl.where(key == 0x007FFFFF, -1, t).to(tl.int64)  # _keys(-inf)
+    is_above = ok & (key > kth)
+    tl.store(out_ptr + tl.cumsum(is_above.to(tl.int32), 0) - 1, value, mask=is_above)
+    is_equal = ok & (key == kth)
+    rank = k - ties + tl.cumsum(is_equal.to(tl.int32), 0) - 1
+    tl.store(out_ptr + rank, value, mask=is_equal & (rank < k))
+
+
+@triton.jit
+def _row_topk_kernel(scores_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    # scores [rows, T] fp32 -> out [rows, k] int64: one program a row, the whole select (ONE_BLOCK: T <= BLOCK)
     row = tl.program_id(0).to(tl.int64)
-    kth, ties = _kth_of_row(scores_ptr + row * T, T, k, 0, 0, False, BITS, BLOCK)
-    _write_top_of_row(scores_ptr + row * T, T, k, kth, ties, k, out_ptr + row * k, 0, 0, False, BLOCK)
+    if ONE_BLOCK:
+        _block_topk(scores_ptr + row * T, T, k, out_ptr + row * k, BITS, BLOCK)
+    else:
+        kth, ties = _kth_of_row(scores_ptr + row * T, T, k, 0, 0, False, BITS, BLOCK)
+        _write_top_of_row(scores_ptr + row * T, T, k, kth, ties, k, out_ptr + row * k, 0, 0, False, BLOCK)
 
 
 def row_split(scores: torch.Tensor, wanted: int) -> tuple[int, int]:
@@ -248,7 +283,7 @@ def topk_indices(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
         return out
     scores = scores.float().contiguous()
     if skip is None and T <= ROW_PROGRAM_WIDTH:
-        _row_topk_kernel[(S,)](scores, out, T, k, BITS=BITS, BLOCK=BLOCK, num_warps=8)
+        _row_topk_kernel[(S,)](scores, out, T, k, BITS=BITS, BLOCK=BLOCK, ONE_BLOCK=T <= BLOCK, num_warps=8)
         return out
     programs, per_program = row_split(scores, programs_wanted(scores.device) // S)
     hist = torch.zeros(S, LEVELS, 1 << BITS, dtype=torch.int32, device=scores.device)

@@ -40,11 +40,12 @@ ONE_PROGRAM = {"one program a row": 1 << 15, "passes over many programs": 0}  # 
 
 @pytest.mark.parametrize("width", ONE_PROGRAM.values(), ids=ONE_PROGRAM.keys())
 @pytest.mark.parametrize("S, T, k, block", [(3, 5000, 64, 4096), (2, 3000, 700, 256), (4, 200, 300, 64),
-                                            (1, 1, 8, 4096)])
+                                            (1, 1, 8, 4096), (3, 4000, 2048, 4096), (2, 3000, 700, 4096)])
 def test_topk_equals_torch(monkeypatch, S, T, k, block, width):
     """Every row: torch.topk's set (by values), in the documented order; many programs a row when the block is
-    small (the counts before a program give its offsets), or one program looping over the row's blocks; k > T,
-    -inf rows' positions as -1; all ties."""
+    small (the counts before a program give its offsets), or one program looping over the row's blocks, or holding
+    a row of one block in registers (its passes ending early on rows 1-2, not on row 0's ties); k > T, -inf rows'
+    positions as -1; all ties."""
     monkeypatch.setattr(topk_triton, "BLOCK", block)
     monkeypatch.setattr(topk_triton, "ROW_PROGRAM_WIDTH", width)
     scores = random_scores(S, T, seed=S * T + k)
@@ -65,6 +66,20 @@ def test_all_equal_and_all_masked_rows(monkeypatch, width):
     scores = torch.stack([torch.full((700,), 1.5), torch.full((700,), float("-inf"))])
     got = topk_triton.topk_indices(scores.to(DEVICE), 100).cpu()
     assert torch.equal(got[0], torch.arange(100)) and bool((got[1] == -1).all())
+
+
+@pytest.mark.parametrize("width", ONE_PROGRAM.values(), ids=ONE_PROGRAM.keys())
+def test_a_top_k_that_fills_the_first_digits_bin(monkeypatch, width):
+    """The top 1000 of 4000 scores are the only ones in [2, 4) (the keys' first 8 bits), their least one three
+    times: the one-block select stops after its first pass and must still count the k-th value's ties."""
+    monkeypatch.setattr(topk_triton, "ROW_PROGRAM_WIDTH", width)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.rand(1, 4000, generator=g) * 0.49 + 0.5  # [0.5, 1)
+    top = torch.randperm(4000, generator=g)[:1000]
+    scores[0, top] = torch.rand(1000, generator=g) * 1.9 + 2.05
+    scores[0, top[:3]] = 2.0
+    got = topk_triton.topk_indices(scores.to(DEVICE), 1000).cpu()
+    assert torch.equal(got, expected(scores, 1000)) and torch.equal(got[0, -3:], top[:3].sort().values)
 
 
 def test_skipped_rows_are_left_as_they_are():
