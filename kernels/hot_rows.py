@@ -23,12 +23,17 @@ OLDEST = (1 << 24) - 1  # ages up to here are told apart (exact in fp32, as the 
 # is 0: the select skips it); older ones are all "old"
 AGE_BLOCK = 4096  # stamps a pass of the victims' select reads at a time
 MAX_SELECTIONS = 4096  # a fetch's selections are one block of the program (GLM-5's and DeepSeek-V3.2's: 2048)
+FREE_BLOCK = 1024  # LRU slots the write's search for a never-used one reads at a time
 
 
 @triton.jit
-def _write_one_kernel(row_ptr, pos_ptr, host_ptr, hot_ptr, slot_ptr, W, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+def _write_one_kernel(row_ptr, pos_ptr, host_ptr, hot_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr, unused_ptr,
+                      free_ptr, W, LRU, WORDS: tl.constexpr, BLOCK: tl.constexpr, FREE_BLOCK: tl.constexpr):
     # row [WORDS] int32 of the token at pos[0] -> host[pos] and hot[pos % W] (rows of WORDS words); slot_of[pos] its
-    # window slot; the token leaving the window (pos - W) loses its window slot (not an LRU slot it has moved to)
+    # window slot; the token leaving the window (pos - W) loses its window slot (not an LRU slot it has moved to).
+    # The token that leaves at the next write (pos + 1 - W) moves into the lowest never-used LRU slot, if one is
+    # left (token_of [LRU + 1] int64 -1, from free[0] on: those below hold rows), stamped with step[0]; unused[0]
+    # counts it
     p = tl.load(pos_ptr)
     w = tl.arange(0, BLOCK)
     row = tl.load(row_ptr + w, mask=w < WORDS)
@@ -40,6 +45,27 @@ def _write_one_kernel(row_ptr, pos_ptr, host_ptr, hot_ptr, slot_ptr, W, WORDS: t
         if (slot >= 0) & (slot < W):
             tl.store(slot_ptr + leaving, -1)
     tl.store(slot_ptr + p, (p % W).to(tl.int32))
+    tl.debug_barrier()  # (a window of one: the next to leave is this token, its row and slot just written)
+    nxt = p + 1 - W
+    if nxt >= 0:
+        slot = tl.load(slot_ptr + nxt)
+        unused = tl.load(unused_ptr)
+        if (slot >= 0) & (slot < W) & (unused > 0):
+            start = tl.load(free_ptr)
+            found = tl.zeros((), tl.int64) + LRU
+            while (found == LRU) & (start < LRU):
+                s = start + tl.arange(0, FREE_BLOCK)
+                token = tl.load(token_ptr + s, mask=s < LRU, other=0)
+                found = tl.min(tl.where((s < LRU) & (token < 0), s, LRU), 0)
+                start += FREE_BLOCK
+            if found < LRU:
+                tl.store(hot_ptr + (W + found) * WORDS + w, tl.load(hot_ptr + slot * WORDS + w, mask=w < WORDS),
+                         mask=w < WORDS)
+                tl.store(token_ptr + found, nxt)
+                tl.store(stamp_ptr + found, tl.load(step_ptr))
+                tl.store(slot_ptr + nxt, (W + found).to(tl.int32))
+                tl.store(unused_ptr, unused - 1)
+                tl.store(free_ptr, found + 1)
 
 
 @triton.jit
@@ -112,13 +138,18 @@ def _fetch_one_kernel(idx_ptr, pos_ptr, slot_ptr, token_ptr, stamp_ptr, step_ptr
     tl.store(mapped_ptr + i, mapped.to(tl.int32), mask=i < K)
 
 
-def write_one(row: torch.Tensor, position: torch.Tensor, host: torch.Tensor, hot: torch.Tensor,
-              slot_of: torch.Tensor, window: int):
+def write_one(row: torch.Tensor, position: torch.Tensor, host: torch.Tensor, hot: torch.Tensor, slot_of: torch.Tensor,
+              token_of: torch.Tensor, stamp: torch.Tensor, step: torch.Tensor, unused: torch.Tensor,
+              free_from: torch.Tensor, window: int):
     """TieredLatent.write of one token: row [1, width] at position [1] (int64, on the device) into host (pinned: the
-    GPU writes it in place) and the hot window; slot_of updated. Rows must be whole 32-bit words."""
+    GPU writes it in place) and the hot window; slot_of updated; the token leaving the window at the next write
+    moved into a never-used LRU slot while one is left (TieredLatent.keep_next_leaving). Rows must be whole 32-bit
+    words."""
     words = row.shape[1] * row.element_size() // 4
     _write_one_kernel[(1,)](row.contiguous().view(torch.int32), position, host.view(torch.int32),
-                            hot.view(torch.int32), slot_of, window, WORDS=words, BLOCK=triton.next_power_of_2(words))
+                            hot.view(torch.int32), slot_of, token_of, stamp, step, unused, free_from, window,
+                            token_of.numel() - 1, WORDS=words, BLOCK=triton.next_power_of_2(words),
+                            FREE_BLOCK=FREE_BLOCK)
 
 
 def fetch_one(indices: torch.Tensor, position: torch.Tensor, slot_of: torch.Tensor, token_of: torch.Tensor,

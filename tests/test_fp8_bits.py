@@ -172,7 +172,9 @@ KERNELS = [
                             **K("BITS BLOCK ONE_BLOCK")}, dict(BITS=8, BLOCK=4096, ONE_BLOCK=one))
       for one in (True, False)),
     (h._write_one_kernel, {"row_ptr": "*i32", "pos_ptr": "*i64", "host_ptr": "*i32", "hot_ptr": "*i32",
-                           "slot_ptr": "*i32", "W": "i32", **K("WORDS BLOCK")}, dict(WORDS=164, BLOCK=256)),
+                           "slot_ptr": "*i32", "token_ptr": "*i64", "stamp_ptr": "*i64", "step_ptr": "*i64",
+                           "unused_ptr": "*i64", "free_ptr": "*i64", "W": "i32", "LRU": "i32",
+                           **K("WORDS BLOCK FREE_BLOCK")}, dict(WORDS=164, BLOCK=256, FREE_BLOCK=1024)),
     (h._fetch_one_kernel, {"idx_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i32", "token_ptr": "*i64",
                            "stamp_ptr": "*i64", "step_ptr": "*i64", "hits_ptr": "*i64", "misses_ptr": "*i64",
                            "unused_ptr": "*i64", "queue_ptr": "*i32", "head_ptr": "*i64", "end_ptr": "*i64",

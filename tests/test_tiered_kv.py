@@ -10,6 +10,7 @@ from glm5_offload.kernels.gather_rows import gather_rows_triton
 from glm5_offload.loader import load_model
 from glm5_offload.ops.reference import hot_buffer_bytes
 from glm5_offload.rules import load_rules
+from glm5_offload.runtime import tiered_kv
 from glm5_offload.runtime.engine import Engine
 from glm5_offload.runtime.kv_cache import new_cache
 from glm5_offload.runtime.saved_context import load_context, save_context
@@ -95,6 +96,45 @@ def test_fetch_keeps_selected_rows_hot_and_exact():
     assert torch.equal(tier.slot_of[:400].cpu() >= 0, (tokens >= 142) & (tokens < 150))
     assert int(tier.unused) == tier.lru and (tier.token_of[: tier.lru] < 0).all() and (tier.stamp == 0).all()
     check_resident(tier, torch.arange(142, 150, device=DEVICE))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch path", "kernels"])
+def test_a_decode_steps_write_keeps_the_rows_leaving_the_window_hot_while_slots_are_free(monkeypatch, kernels):
+    """Each decode step's write moves the token that leaves the window at the next write into a never-used LRU
+    slot: a context the hot buffer holds loses no row, so a step's fetch of rows that left the window during decode
+    misses none (before, each was a miss), after its write or before it (IndexShare's prefetch). Once every LRU slot
+    is used the rows leave as before, and no write evicts one. (kernels: kernels/hot_rows.py's, in the interpreter
+    on the CPU.)"""
+    monkeypatch.setattr(tiered_kv, "one_token_kernels", lambda device: kernels)
+    g = torch.Generator().manual_seed(4)
+    W, lru = 8, 24
+    tier = TieredLatent(400, 8, torch.float32, torch.device(DEVICE), hot_rows=W + lru, window=W)
+    tier.write(torch.arange(100, device=DEVICE), torch.randn(100, 8, generator=g).to(DEVICE))  # rows 0-91 cold
+    end = 100
+    while int(tier.unused) > 1:
+        position = torch.tensor([end], device=DEVICE)
+        picks = torch.arange(93, end - W + 1)  # rows that left the window after a decode write (93: the first)
+        picks = torch.cat([picks[torch.randperm(len(picks), generator=g)[:4]], torch.tensor([end - W])])
+        before = int(tier.misses)
+        if end % 2:
+            tier.write(position, torch.randn(1, 8, generator=g).to(DEVICE))
+        tier.fetch(torch.cat([picks, torch.tensor([-1])]).to(DEVICE)[None], position)  # end - W: leaving now
+        if end % 2 == 0:
+            tier.write(position, torch.randn(1, 8, generator=g).to(DEVICE))
+        check_resident(tier, picks.to(DEVICE))
+        assert int(tier.misses) == before + (end == 100), end  # 92 left the window at the prompt's write
+        end += 1
+    assert int(tier.unused) == 1 == (tier.token_of[:lru] < 0).sum() and int(tier.free_from) == lru - 1
+    taken = tier.token_of[:lru].clone()
+    assert torch.equal(taken[:-1].sort().values.cpu(), torch.arange(92, 92 + lru - 1))
+    for end in range(end, end + 6):  # the last free slot taken by the first write, then no more moves
+        tier.write(torch.tensor([end], device=DEVICE), torch.randn(1, 8, generator=g).to(DEVICE))
+    assert int(tier.unused) == 0 and torch.equal(tier.token_of[: lru - 1], taken[: lru - 1])
+    hot = torch.arange(end + 1)
+    hot = (hot > end - W) | ((hot >= 92) & (hot < 92 + lru))
+    assert torch.equal(tier.slot_of[: end + 1].cpu() >= 0, hot)
+    tier.reset(110)  # rewound: its freed slots are searched from the first again
+    assert int(tier.free_from) == 0 and int(tier.unused) == (tier.token_of[:lru] < 0).sum() > 0
 
 
 def test_a_fetchs_few_misses_take_the_queued_victims():

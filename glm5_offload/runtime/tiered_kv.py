@@ -13,6 +13,9 @@ slot_of, which reads the very same row values as the untiered cache: the outputs
 The misses' victims come from a queue: a select's n least recently used LRU slots (n: the fetch's selections), taken
 in its order by the fetches after it, skipping those used since; a fresh select only when fewer than a fetch's misses
 are left (a decode step at 4K with one miss no longer pays the select over the slots' ages each step).
+While LRU slots were never used, a decode step's write moves the row that leaves the window at the next write into
+one (keep_next_leaving): within a context the hot buffer holds, a decode step's fetch misses only rows that left the
+window during the prompt.
 On a CUDA device the misses are read straight from pinned host memory by a Triton gather (zero-copy,
 kernels/gather_rows.py), and a decode step's write and fetch (one token) take one kernel each
 (kernels/hot_rows.py); the torch code here serves several tokens at once, and the CPU, where both tiers are host
@@ -50,6 +53,7 @@ class TieredLatent:
         self.queue = torch.full((self.lru + 1,), self.lru, dtype=torch.int32, device=device)
         self.queue_head, self.queue_end, self.queued_at = (torch.zeros((), dtype=torch.long, device=device)
                                                            for _ in range(3))
+        self.free_from = torch.zeros((), dtype=torch.long, device=device)  # LRU slots below it all hold a row
 
     def row_bytes(self) -> int:
         return self.host.shape[1] * self.host.element_size()
@@ -64,6 +68,7 @@ class TieredLatent:
         self.stamp[: self.lru].masked_fill_(leaving, 0)
         self.unused += leaving.sum()
         self.queue_end.zero_()  # the freed slots are the least recent now
+        self.free_from.zero_()
         self.slot_of[begin:].fill_(-1)  # (window slots hold no token before begin: they held the last ones written)
         positions = torch.arange(begin, end, device=self.device)
         self.hot[positions % self.window] = self.host[begin:end].to(self.device, non_blocking=True)
@@ -84,7 +89,8 @@ class TieredLatent:
         from the GPU straight into pinned memory), and the last `window` to the hot one. Tensor work only, no
         host-side position: a CUDA graph can replay it."""
         if rows.shape[0] == 1 and one_token_kernels(self.device):
-            hot_rows.write_one(rows, positions, self.host, self.hot, self.slot_of, self.window)
+            hot_rows.write_one(rows, positions, self.host, self.hot, self.slot_of, self.token_of, self.stamp, self.step,
+                               self.unused, self.free_from, self.window)
             return
         S, W = rows.shape[0], self.window
         gather_rows(rows, torch.arange(S, device=self.device), self.host, positions)
@@ -95,6 +101,27 @@ class TieredLatent:
         self.hot[torch.where(kept, positions % W, self.hot.shape[0] - 1)] = rows  # the rest into the dummy slot
         self.slot_of[torch.where(kept, positions, -1)] = torch.where(kept, positions % W, -1).int()
         self.slot_of[-1:].fill_(-1)  # (scalars are written by kernels: a CUDA graph may capture this)
+        if rows.shape[0] == 1:
+            self.keep_next_leaving(positions)
+
+    def keep_next_leaving(self, position: torch.Tensor):
+        """A decode step's write (of the token at position [1]): the token that leaves the window at the next write
+        moves into the lowest never-used LRU slot while one is left, stamped as of the last fetch, so that within a
+        context the hot buffer holds no row leaves it (a fetch after that write, or before it as IndexShare's
+        prefetch, finds it hot). Its window slot keeps it until then. No eviction: once every LRU slot is used, the
+        rows leave the window as before."""
+        W, lru = self.window, self.lru
+        token = position - (W - 1)
+        slot = self.slot_of[torch.where(token >= 0, token, -1)]  # -1: the dummy token's
+        free = torch.where(self.token_of[:lru] < 0, torch.arange(lru, device=self.device), lru).min()
+        move = (slot >= 0) & (slot < W) & (free < lru)
+        lru_slot = torch.where(move, free, lru)  # lru: the dummy slot
+        self.hot[lru_slot + W] = self.hot[torch.where(move, slot, W + lru)]
+        self.token_of[lru_slot] = torch.where(move, token, -1)
+        self.stamp[lru_slot] = self.step
+        self.slot_of[torch.where(move, token, -1)] = torch.where(move, lru_slot + W, -1).int()
+        self.unused -= move.sum()
+        self.free_from.copy_(torch.where(move, lru_slot + 1, self.free_from)[0])
 
     def fetch(self, indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Make the rows of indices [S, K] (-1 = none), the selections of the queries at positions [S] (consecutive,
