@@ -133,8 +133,9 @@ def tiered_step(context: int) -> dict:
     """One layer's tiered cache (FP8 rows, 8 MiB hot, window 512) in decode from `context` tokens on: a step writes
     its row, fetches 2048 selections at distances back from its position (random, one set of distances per copy)
     and moves to the next position (the two small kernels that compute the selections and the next position are
-    timed with it). At 4K the rows that just left the window miss (~1 a step) and the LRU part never fills; from 16K
-    it is full and every miss evicts; at 1M nearly every selection misses and its row crosses PCIe."""
+    timed with it). At 4K nothing misses (each step's write moves the row about to leave the window into a never-used
+    LRU slot; before, that row missed, ~1 a step) and the LRU part never fills; from 16K it is full and every miss
+    evicts; at 1M nearly every selection misses and its row crosses PCIe."""
     g = torch.Generator().manual_seed(context)
     tier = tiered_kv.TieredLatent(context + TIERED_STEPS, ROW_BYTES, torch.uint8, torch.device("cuda"),
                                   HOT_BYTES // ROW_BYTES, WINDOW)
