@@ -44,8 +44,8 @@ ONE_PROGRAM = {"one program a row": 1 << 15, "passes over many programs": 0}  # 
 def test_topk_equals_torch(monkeypatch, S, T, k, block, width):
     """Every row: torch.topk's set (by values), in the documented order; many programs a row when the block is
     small (the counts before a program give its offsets), or one program looping over the row's blocks, or holding
-    a row of one block in registers (its passes ending early on rows 1-2, not on row 0's ties); k > T, -inf rows'
-    positions as -1; all ties."""
+    a row of one block in registers (its passes ending before the fourth digit on these rows; all four where the
+    k-th value is tied: the next test); k > T, -inf rows' positions as -1; all ties."""
     monkeypatch.setattr(topk_triton, "BLOCK", block)
     monkeypatch.setattr(topk_triton, "ROW_PROGRAM_WIDTH", width)
     scores = random_scores(S, T, seed=S * T + k)
