@@ -179,16 +179,23 @@ def _write_top(ptr, start, end, n_above, limit, kth, above_before, equal_before,
         t = first + tl.arange(0, BLOCK)
         ok = t < end
         key = _row_keys(ptr, t, ok, step, OLDEST, AGES)
-        value = t.to(tl.int64) if AGES else tl.where(key == 0x007FFFFF, -1, t).to(tl.int64)  # _keys(-inf)
-        is_above = ok & (key > kth)
-        rank = above_before + tl.cumsum(is_above.to(tl.int32), 0) - 1
-        tl.store(out_ptr + rank, value, mask=is_above & (rank < limit))
-        above_before += tl.sum(is_above.to(tl.int32))
-        is_equal = ok & (key == kth)
-        rank = n_above + equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
-        tl.store(out_ptr + rank, value, mask=is_equal & (rank < limit))
-        equal_before += tl.sum(is_equal.to(tl.int32))
+        above_before, equal_before = _store_top(key, t, ok, kth, n_above, limit, above_before, equal_before, out_ptr,
+                                                AGES)
     return above_before, equal_before
+
+
+@triton.jit
+def _store_top(key, t, ok, kth, n_above, limit, above_before, equal_before, out_ptr, AGES: tl.constexpr):
+    """_write_top's work on one block of keys at positions t (ok: which exist): their top-k positions stored at their
+    ranks; above_before / equal_before returned with the block's added."""
+    value = t.to(tl.int64) if AGES else tl.where(key == 0x007FFFFF, -1, t).to(tl.int64)  # _keys(-inf)
+    is_above = ok & (key > kth)
+    rank = above_before + tl.cumsum(is_above.to(tl.int32), 0) - 1
+    tl.store(out_ptr + rank, value, mask=is_above & (rank < limit))
+    is_equal = ok & (key == kth)
+    rank_equal = n_above + equal_before + tl.cumsum(is_equal.to(tl.int32), 0) - 1
+    tl.store(out_ptr + rank_equal, value, mask=is_equal & (rank_equal < limit))
+    return above_before + tl.sum(is_above.to(tl.int32)), equal_before + tl.sum(is_equal.to(tl.int32))
 
 
 @triton.jit
@@ -243,12 +250,7 @@ def _block_topk(ptr, T, k, out_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr):
         level += 1
     kth = tl.min(tl.where(group, key, 0xFFFFFFFF), 0)
     ties = tl.where(taken != 0, tl.sum((group & (key == kth)).to(tl.int32)), remaining)
-    value = tl.where(key == 0x007FFFFF, -1, t).to(tl.int64)  # _keys(-inf)
-    is_above = ok & (key > kth)
-    tl.store(out_ptr + tl.cumsum(is_above.to(tl.int32), 0) - 1, value, mask=is_above)
-    is_equal = ok & (key == kth)
-    rank = k - ties + tl.cumsum(is_equal.to(tl.int32), 0) - 1
-    tl.store(out_ptr + rank, value, mask=is_equal & (rank < k))
+    _store_top(key, t, ok, kth, k - ties, k, 0, 0, out_ptr, False)
 
 
 @triton.jit
