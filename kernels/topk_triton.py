@@ -31,7 +31,8 @@ BLOCK = 4096  # scores a program reads per iteration
 MAX_PROGRAMS = 256  # programs per row
 ROW_PROGRAM_WIDTH = 4096  # rows up to this wide: one program a row does every pass, in one launch (H200, a row's
 # top-2048: 17.9 us against 26.4 for the passes below at 4096 wide; each block more costs it ~4 us a pass: 63 against
-# 27 at 16384, bench/RESULTS.md)
+# 27 at 16384, bench/RESULTS.md; H100, its keys in registers: 10.9 at 4096; a block of 8192 in registers, 16 warps, ties
+# the passes, 27.1 against 28.1, and 16384 loses, 69.5 against 28.2: session 60)
 
 
 @triton.jit
