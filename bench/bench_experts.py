@@ -132,11 +132,13 @@ def _row_dots(rows, scales, xq, xs, xsum, reps, four):
 
 def row_dot_gb_s(group: int, rng) -> dict:
     """One core, int4 rows x int8 vectors, 32 rows of GLM-5's hidden dim (96 KB: they stay in L2): GB/s of weights
-    for one vector and GB/s-equivalent (bytes x vectors) for four."""
-    rows = rng.integers(0, 256, (32, HIDDEN // 2), dtype=np.uint8)
-    scales = rng.random((32, HIDDEN // group), np.float32)
-    xq, xs = np.empty((4, HIDDEN), np.int8), np.empty((4, HIDDEN // group), np.float32)
-    xsum = np.empty((4, HIDDEN // group), np.int32)
+    for one vector and GB/s-equivalent (bytes x vectors) for four. Every array page-aligned, as the engine's experts
+    are: with numpy's own alignment one vector's figure moved between processes (28.5-28.9 or 34.4-34.6 GB/s on
+    session 60's CPU machine), page-aligned it held at 34.4-35.2 (bench/RESULTS.md)."""
+    rows = engine_memory(rng.integers(0, 256, (32, HIDDEN // 2), dtype=np.uint8))
+    scales = engine_memory(rng.random((32, HIDDEN // group), np.float32))
+    xq, xs = engine_memory(np.empty((4, HIDDEN), np.int8)), engine_memory(np.empty((4, HIDDEN // group), np.float32))
+    xsum = engine_memory(np.empty((4, HIDDEN // group), np.int32))
     moe_cpu._quantize_rows(rng.standard_normal((4, HIDDEN), np.float32), group, xq, xs, xsum)
     out = {}
     for four, name in ((False, "one_vector_gb_s"), (True, "four_vectors_gb_s")):

@@ -132,29 +132,44 @@ def _sum_lanes(builder, v):
 _FP_FLAGS = ("contract", "reassoc", "nsz")  # as the numba kernels' fastmath: FMAs, reordered sums
 
 
-def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scales, float_acc=False):
-    """For each of len(scales) vectors k: sum over groups g of (k's accumulator lanes for the group) x scales[k](g);
-    step(accs, byte offset, the group's first byte) adds `lanes` bytes' products into each <acc_lanes x i32>
-    accumulator (fp32 lanes with float_acc) and returns them; group_bytes a multiple of lanes. A row shared by
-    several vectors is loaded and unpacked once for all of them. The lanes are summed once, at the end."""
+def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scales, float_acc=False, offsets=None):
+    """For each of len(scales) vectors k: sum over groups g of (k's accumulator lanes for the group, less
+    offsets[k](g) in lane 0: an int32) x scales[k](g); step(accs, byte offset, the group's first byte) adds `lanes`
+    bytes' products into each <acc_lanes x i32> accumulator (fp32 lanes with float_acc) and returns them;
+    group_bytes a multiple of lanes. A row shared by several vectors is loaded and unpacked once for all of them.
+    Groups two at a time, into two sums: the sum's add, a group's one serial step, is half the chain (a one-token
+    row dot waits on it, not on its reads). The lanes are summed once, at the end."""
     f32v = ir.VectorType(ir.FloatType(), acc_lanes)
     accv = f32v if float_acc else ir.VectorType(ir.IntType(32), acc_lanes)
-    totals = [cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in scales]
+    totals = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in range(2)] for _ in scales]
     accs = [cgutils.alloca_once_value(builder, ir.Constant(accv, None)) for _ in scales]
     steps = builder.udiv(group_bytes, ir.Constant(group_bytes.type, lanes))
-    with cgutils.for_range(builder, n_groups) as groups:
+
+    def group(g, chain):
         for acc in accs:
             builder.store(ir.Constant(accv, None), acc)
-        base = builder.mul(groups.index, group_bytes)
+        base = builder.mul(g, group_bytes)
         with cgutils.for_range(builder, steps) as inner:
             offset = builder.add(base, builder.mul(inner.index, ir.Constant(base.type, lanes)))
             for acc, value in zip(accs, step([builder.load(acc) for acc in accs], offset, base)):
                 builder.store(value, acc)
-        for acc, total, scale in zip(accs, totals, scales):
-            lanes_f32 = builder.load(acc) if float_acc else builder.sitofp(builder.load(acc), f32v)
-            scaled = builder.fmul(lanes_f32, _splat(builder, scale(groups.index), acc_lanes), flags=_FP_FLAGS)
-            builder.store(builder.fadd(builder.load(total), scaled, flags=_FP_FLAGS), total)
-    return [_sum_lanes(builder, builder.load(total)) for total in totals]
+        for k, (acc, total, scale) in enumerate(zip(accs, totals, scales)):
+            value = builder.load(acc)
+            if offsets:
+                value = builder.sub(value, builder.insert_element(ir.Constant(accv, None), offsets[k](g),
+                                                                  ir.Constant(ir.IntType(32), 0)))
+            lanes_f32 = value if float_acc else builder.sitofp(value, f32v)
+            scaled = builder.fmul(lanes_f32, _splat(builder, scale(g), acc_lanes), flags=_FP_FLAGS)
+            builder.store(builder.fadd(builder.load(total[chain]), scaled, flags=_FP_FLAGS), total[chain])
+
+    two = ir.Constant(n_groups.type, 2)
+    with cgutils.for_range(builder, builder.udiv(n_groups, two)) as pairs:
+        first = builder.mul(pairs.index, two)
+        group(first, 0)
+        group(builder.add(first, ir.Constant(first.type, 1)), 1)
+    with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n_groups, two), ir.Constant(n_groups.type, 0))):
+        group(builder.sub(n_groups, ir.Constant(n_groups.type, 1)), 0)
+    return [_sum_lanes(builder, builder.fadd(builder.load(a), builder.load(b), flags=_FP_FLAGS)) for a, b in totals]
 
 
 def _splat(builder, value, lanes):
@@ -297,9 +312,12 @@ def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
                   for vs in vs_a]
         results = [cgutils.alloca_once(builder, ir.FloatType()) for _ in range(count)]
 
-        def dots(lanes, acc_lanes, combine):
+        offsets = [lambda g, sums=sums: builder.mul(builder.load(builder.gep(sums.data, [g])),
+                                                    ir.Constant(ir.IntType(32), 8)) for sums in sum_a]
+
+        def dots(lanes, acc_lanes, combine):  # each group's integer sum less 8 x its inputs' sum: nibbles - 8
             values = _grouped_dot(builder, sc_a.nitems, group_bytes, lanes, acc_lanes,
-                                  lambda accs, i, base: halves(accs, i, base, lanes, combine), scales)
+                                  lambda accs, i, base: halves(accs, i, base, lanes, combine), scales, offsets=offsets)
             for value, result in zip(values, results):
                 builder.store(value, result)
 
@@ -314,12 +332,7 @@ def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
                     dots(16, 4, quads)
         else:
             dots(16, 8, lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8)))
-
-        def group_sum(sums):
-            return lambda g: builder.sitofp(builder.load(builder.gep(sums.data, [g])), ir.FloatType())
-        out = [_minus_offset_8(builder, builder.load(result), sc_a.nitems, scale, group_sum(sums))
-               for result, scale, sums in zip(results, scales, sum_a)]
-        return context.make_tuple(builder, signature.return_type, out)
+        return context.make_tuple(builder, signature.return_type, [builder.load(result) for result in results])
     return types.UniTuple(types.float32, count)(row, scales, vqs, vss, vsums), codegen
 
 
