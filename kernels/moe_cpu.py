@@ -134,7 +134,7 @@ _FP_FLAGS = ("contract", "reassoc", "nsz")  # as the numba kernels' fastmath: FM
 
 def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scales, float_acc=False, offsets=None):
     """For each of len(scales) vectors k: sum over groups g of (k's accumulator lanes for the group, less
-    offsets[k](g) in lane 0: an int32) x scales[k](g); step(accs, byte offset, the group's first byte) adds `lanes`
+    offsets[k](g) in lane 0: an int32, an fp32 with float_acc) x scales[k](g); step(accs, byte offset, the group's first byte) adds `lanes`
     bytes' products into each <acc_lanes x i32> accumulator (fp32 lanes with float_acc) and returns them;
     group_bytes a multiple of lanes. A row shared by several vectors is loaded and unpacked once for all of them.
     The groups go two at a time into two sums: a one-token row dot waits on the chain of those adds, not on its
@@ -156,8 +156,8 @@ def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scales,
         for k, (acc, total, scale) in enumerate(zip(accs, totals, scales)):
             value = builder.load(acc)
             if offsets:
-                value = builder.sub(value, builder.insert_element(ir.Constant(accv, None), offsets[k](g),
-                                                                  ir.Constant(ir.IntType(32), 0)))
+                lane0 = builder.insert_element(ir.Constant(accv, None), offsets[k](g), ir.Constant(ir.IntType(32), 0))
+                value = builder.fsub(value, lane0, flags=_FP_FLAGS) if float_acc else builder.sub(value, lane0)
             lanes_f32 = value if float_acc else builder.sitofp(value, f32v)
             scaled = builder.fmul(lanes_f32, _splat(builder, scale(g), acc_lanes), flags=_FP_FLAGS)
             builder.store(builder.fadd(builder.load(total[chain]), scaled, flags=_FP_FLAGS), total[chain])
@@ -227,15 +227,6 @@ def _int4_step(builder, packed_ptr, i, lanes, group_bytes, base):
     return low, high, lo_at, builder.add(lo_at, group_bytes)
 
 
-def _minus_offset_8(builder, dot, n_groups, scale, group_sum):
-    """dot - 8 sum_g scale(g) group_sum(g): the int4 nibbles' offset of 8 off, through the inputs' group sums."""
-    correction = cgutils.alloca_once_value(builder, ir.Constant(ir.FloatType(), 0.0))
-    with cgutils.for_range(builder, n_groups) as groups:
-        term = builder.fmul(scale(groups.index), group_sum(groups.index))
-        builder.store(builder.fadd(builder.load(correction), term), correction)
-    return builder.fsub(dot, builder.fmul(ir.Constant(ir.FloatType(), 8.0), builder.load(correction)))
-
-
 @intrinsic
 def _row_dot_f32(typingctx, row, scales, v, vsum):
     """sum_g scales[g] (row_g . v_g) for an int8 row (int8 values) or an int4 one (uint8 packed bytes, the
@@ -261,8 +252,9 @@ def _row_dot_f32(typingctx, row, scales, v, vsum):
             low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, 16, group_bytes, base)
             acc = _fma(builder, accs[0], builder.uitofp(low, f32v), _load_f32(builder, v_a.data, lo_at, 16))
             return [_fma(builder, acc, builder.uitofp(high, f32v), _load_f32(builder, v_a.data, hi_at, 16))]
-        dot = _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, [scale], float_acc=True)[0]
-        return _minus_offset_8(builder, dot, sc_a.nitems, scale, lambda g: _float_at(builder, sum_a, g))
+        eight = ir.Constant(ir.FloatType(), 8.0)  # each group's sum less 8 x its inputs' sum: nibbles - 8
+        return _grouped_dot(builder, sc_a.nitems, group_bytes, 16, 16, step, [scale], float_acc=True,
+                            offsets=[lambda g: builder.fmul(_float_at(builder, sum_a, g), eight)])[0]
     return types.float32(row, scales, v, vsum), codegen
 
 
