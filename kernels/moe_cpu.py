@@ -134,11 +134,11 @@ _FP_FLAGS = ("contract", "reassoc", "nsz")  # as the numba kernels' fastmath: FM
 
 def _grouped_dot(builder, n_groups, group_bytes, lanes, acc_lanes, step, scales, float_acc=False, offsets=None):
     """For each of len(scales) vectors k: sum over groups g of (k's accumulator lanes for the group, less
-    offsets[k](g) in lane 0: an int32, an fp32 with float_acc) x scales[k](g); step(accs, byte offset, the group's first byte) adds `lanes`
-    bytes' products into each <acc_lanes x i32> accumulator (fp32 lanes with float_acc) and returns them;
-    group_bytes a multiple of lanes. A row shared by several vectors is loaded and unpacked once for all of them.
-    The groups go two at a time into two sums: a one-token row dot waits on the chain of those adds, not on its
-    reads, and two sums halve it (bench/RESULTS.md, session 60). The lanes are summed once, at the end."""
+    offsets[k](g) in lane 0: an int32, an fp32 with float_acc) x scales[k](g); step(accs, byte offset, the group's
+    first byte) adds `lanes` bytes' products into each <acc_lanes x i32> accumulator (fp32 lanes with float_acc) and
+    returns them; group_bytes a multiple of lanes. A row shared by several vectors is loaded and unpacked once for
+    all of them. The groups go two at a time into two sums: a one-token row dot waits on the chain of those adds,
+    not on its reads, and two sums halve it (bench/RESULTS.md, session 60). The lanes are summed once, at the end."""
     f32v = ir.VectorType(ir.FloatType(), acc_lanes)
     accv = f32v if float_acc else ir.VectorType(ir.IntType(32), acc_lanes)
     totals = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, None)) for _ in range(2)] for _ in scales]
