@@ -459,6 +459,16 @@ def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
         out[q] = _row_dots_u4q(row, scales, (vq[which[q]],), (vs[which[q]],), (vsum[which[q]],))[0]
 
 
+@njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
+def _row_times_one(fmt, row, scales, vq, vs, vsum):
+    """row . one int8-quantised vector (vq, its group scales vs and sums vsum): a decode token's dot, which the loops
+    over rows call directly (through _rows_times_q and its out buffer one core's layer read 10% slower:
+    bench/RESULTS.md, session 61)."""
+    if fmt == 1:
+        return _row_dot_i8q(row, scales, vq, vs)
+    return _row_dots_u4q(row, scales, (vq,), (vs,), (vsum,))[0]
+
+
 TILES = _has_vnni()  # tiles need vpdpbusd
 TILE_MIN = 4  # an expert's vectors from which its int4 rows go by tiles (fewer: row dots)
 
@@ -608,6 +618,11 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                     for p in range(first, last):
                         for i in range(TILE_ROWS):
                             gu[p, r0 + i] = res[p - first, i]
+        elif act_int8 and last - first == 1:  # one token (decode)
+            t = pair_token[first]
+            for half in range(2):
+                for r in range(half * inter + i0, half * inter + i1):
+                    gu[first, r] = _row_times_one(fmt, w13[e, r], s13[e, r], xq[t], xs[t], x_qsums[t])
         else:
             buf = np.empty(hidden, np.float32)
             dots = np.empty(n_pairs, np.float32)
@@ -648,6 +663,12 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                     for p in range(first, last):
                         for i in range(TILE_ROWS):
                             out[pair_token[p], r0 + i] += pair_weight[p] * res[p - first, i]
+                continue
+            if act_int8 and last - first == 1:  # one token (decode)
+                t, weight = pair_token[first], pair_weight[first]
+                for r in range(block * ROW_BLOCK, end):
+                    out[t, r] += weight * _row_times_one(fmt, w2[e, r], s2[e, r], aq[first], a_scales[first],
+                                                         a_qsums[first])
                 continue
             for r in range(block * ROW_BLOCK, end):
                 _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
