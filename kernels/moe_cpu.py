@@ -462,7 +462,7 @@ def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
 def _row_times_one(fmt, row, scales, vq, vs, vsum):
     """row . one int8-quantised vector (vq, its group scales vs and sums vsum): a decode token's dot, which the loops
-    over rows call directly (through _rows_times_q and its out buffer one core's layer read 10% slower:
+    over rows call directly (through _rows_times and _rows_times_q one core's layer read 8-12% slower:
     bench/RESULTS.md, session 61)."""
     if fmt == 1:
         return _row_dot_i8q(row, scales, vq, vs)
