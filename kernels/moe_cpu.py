@@ -118,6 +118,17 @@ def _has_vnni() -> bool:
     return bool(features.get("avx512vnni") and features.get("avx512bw"))
 
 
+@intrinsic
+def _take(typingctx, counters, which):
+    """counters[which] += 1 atomically (int64 array); returns the value before: the next work item of a queue the
+    threads of a parallel region share, so a core that finishes early takes more than its share."""
+    def codegen(context, builder, signature, args):
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        at = builder.gep(arr.data, [args[1]])
+        return builder.atomic_rmw("add", at, ir.Constant(ir.IntType(64), 1), "monotonic")
+    return types.int64(counters, types.intp), codegen
+
+
 def _sum_lanes(builder, v):
     """The sum of a float vector's lanes by halving shuffles."""
     while v.type.count > 1:
@@ -574,7 +585,7 @@ def _group_sums(v, group):
 
 @njit(parallel=True, nogil=True, fastmath=_FASTMATH, cache=True)
 def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_ids, expert_start, gu, act, out,
-              act_int8=False, limit=np.inf):
+              workers, act_int8=False, limit=np.inf):
     """One MoE layer's routed experts for T tokens, summed into out [T, H] (fp32, zeroed by the caller).
 
     x [T, H] fp32; pairs (token, slot) sorted by expert: pair_token [P] int32, pair_weight [P] fp32;
@@ -605,13 +616,20 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     # (int8-quantised, or its sum), so the down phase starts from finished inputs
     width = group if fmt else ROW_BLOCK
     blocks = (inter + width - 1) // width
-    for item in prange(n_active * blocks):
+    queues = np.zeros(2, np.int64)  # the next item of each phase: taken by whichever thread is free
+    for _ in prange(workers):
+      ws = np.empty((hidden // group, TILE_ROWS), np.float32)
+      res = np.empty((most + 3, TILE_ROWS), np.float32)
+      buf = np.empty(hidden, np.float32)
+      dots = np.empty(n_pairs, np.float32)
+      while True:
+        item = _take(queues, 0)
+        if item >= n_active * blocks:
+            break
         a, block = item // blocks, item % blocks
         e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
         i0, i1 = block * width, min(inter, (block + 1) * width)
         if tiles and last - first >= TILE_MIN:
-            ws = np.empty((hidden // group, TILE_ROWS), np.float32)
-            res = np.empty((most + 3, TILE_ROWS), np.float32)
             for half in range(2):  # gate, up
                 for r0 in range(half * inter + i0, half * inter + i1, TILE_ROWS):
                     _tile_rows(w13[e], s13[e], r0, xq, xs, x_qsums, pair_token, first, last, ws, res)
@@ -624,8 +642,6 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                 for r in range(half * inter + i0, half * inter + i1):
                     gu[first, r] = _row_times_one(fmt, w13[e, r], s13[e, r], xq[t], xs[t], x_qsums[t])
         else:
-            buf = np.empty(hidden, np.float32)
-            dots = np.empty(n_pairs, np.float32)
             for half in range(2):
                 for r in range(half * inter + i0, half * inter + i1):
                     _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs,
@@ -649,11 +665,15 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                 act_sums[p, block] = acts.sum()
     pairs = np.arange(n_pairs).astype(np.int32)
     blocks2 = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
-    for block in prange(blocks2):  # down: each thread owns a block of output rows
-        buf = np.empty(inter, np.float32)
-        dots = np.empty(n_pairs, np.float32)
-        ws = np.empty((inter // group, TILE_ROWS), np.float32)
-        res = np.empty((most + 3, TILE_ROWS), np.float32)
+    for _ in prange(workers):  # down: each item a block of output rows, its thread summing every expert's
+      buf = np.empty(inter, np.float32)
+      dots = np.empty(n_pairs, np.float32)
+      ws = np.empty((inter // group, TILE_ROWS), np.float32)
+      res = np.empty((most + 3, TILE_ROWS), np.float32)
+      while True:
+        block = _take(queues, 1)
+        if block >= blocks2:
+            break
         end = min(hidden, (block + 1) * ROW_BLOCK)
         for a in range(n_active):
             e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
@@ -744,7 +764,7 @@ def moe_forward(fmt: str, group: int, w13, s13, w2, s2, x: np.ndarray, ids: np.n
     s13 = s13 if s13.ndim == 3 else np.zeros((1, 1, 1), np.float32)
     s2 = s2 if s2.ndim == 3 else np.zeros((1, 1, 1), np.float32)
     moe_layer(FORMAT_CODES[fmt], group, w13, s13, w2, s2, x, pair_token, pair_weight, experts, start, gu, act, out,
-              act_int8, np.inf if limit is None else float(limit))
+              numba.get_num_threads(), act_int8, np.inf if limit is None else float(limit))
     if scratch is not None:
         scratch.update(gu=gu, act=act, pair_token=pair_token, pair_weight=pair_weight, experts=experts, start=start)
     return out
