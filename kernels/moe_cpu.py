@@ -15,7 +15,8 @@ parallel, reading each weight row once for all of that expert's tokens (with int
 unpacked once for 4 of them), then the block's SiLU(gate) x up and its int8 form; phase 2 splits the output
 rows into blocks, each thread summing every active expert's down rows of its block times the routing weight.
 Two parallel regions a call (each a fork and a join of the thread team: what a decode step pays besides the
-bytes), each with many more work items than cores, so all cores stay busy with 8 experts. Each int4
+bytes), each with many more work items than cores, so all cores stay busy with 8 experts; a thread takes the next
+item of its phase when it finishes one (an atomic counter), so a core slowed by its neighbours takes fewer. Each int4
 weight step prefetches the line PREFETCH_AHEAD bytes on (and, a whole line a step, into L2 the one PREFETCH_FAR
 bytes on), so a core's dots and its DRAM reads overlap.
 """
@@ -591,7 +592,7 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     x [T, H] fp32; pairs (token, slot) sorted by expert: pair_token [P] int32, pair_weight [P] fp32;
     expert_ids [A] int32 the active experts, expert_start [A+1] int32 their pair ranges;
     scratch gu [P, 2I], act [P, I] fp32. act_int8 (int8/int4 weights): x and act int8-quantised per group.
-    limit: SwiGLU's clamp, gate <= limit and -limit <= up <= limit (inf: none).
+    limit: SwiGLU's clamp, gate <= limit and -limit <= up <= limit (inf: none). workers: numba's thread count.
     """
     hidden, rows13 = x.shape[1], w13.shape[1]
     inter = rows13 // 2
@@ -616,85 +617,83 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
     # (int8-quantised, or its sum), so the down phase starts from finished inputs
     width = group if fmt else ROW_BLOCK
     blocks = (inter + width - 1) // width
-    queues = np.zeros(2, np.int64)  # the next item of each phase: taken by whichever thread is free
+    queues = np.zeros(2, np.int64)  # each phase's next item: one thread a worker, each taking items until none are left
     for _ in prange(workers):
-      ws = np.empty((hidden // group, TILE_ROWS), np.float32)
-      res = np.empty((most + 3, TILE_ROWS), np.float32)
-      buf = np.empty(hidden, np.float32)
-      dots = np.empty(n_pairs, np.float32)
-      while True:
+        ws = np.empty((hidden // group, TILE_ROWS), np.float32)
+        res = np.empty((most + 3, TILE_ROWS), np.float32)
+        buf = np.empty(hidden, np.float32)
+        dots = np.empty(n_pairs, np.float32)
         item = _take(queues, 0)
-        if item >= n_active * blocks:
-            break
-        a, block = item // blocks, item % blocks
-        e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
-        i0, i1 = block * width, min(inter, (block + 1) * width)
-        if tiles and last - first >= TILE_MIN:
-            for half in range(2):  # gate, up
-                for r0 in range(half * inter + i0, half * inter + i1, TILE_ROWS):
-                    _tile_rows(w13[e], s13[e], r0, xq, xs, x_qsums, pair_token, first, last, ws, res)
-                    for p in range(first, last):
-                        for i in range(TILE_ROWS):
-                            gu[p, r0 + i] = res[p - first, i]
-        elif act_int8 and last - first == 1:  # one token (decode)
-            t = pair_token[first]
-            for half in range(2):
-                for r in range(half * inter + i0, half * inter + i1):
-                    gu[first, r] = _row_times_one(fmt, w13[e, r], s13[e, r], xq[t], xs[t], x_qsums[t])
-        else:
-            for half in range(2):
-                for r in range(half * inter + i0, half * inter + i1):
-                    _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs,
-                                x_qsums, pair_token, first, last, buf, dots)
-                    for p in range(first, last):
-                        gu[p, r] = dots[p]
-        for p in range(first, last):  # SiLU(gate) x up, over slices indexed from 0 (see above)
-            gates, ups, acts = gu[p, i0:i1], gu[p, inter + i0 : inter + i1], act[p, i0:i1]
-            for j in range(i1 - i0):
-                g, u = gates[j], ups[j]
-                if g > lim:  # comparisons, not min/max: a NaN stays NaN
-                    g = lim
-                if u > lim:
-                    u = lim
-                elif u < -lim:
-                    u = -lim
-                acts[j] = g / (np.float32(1.0) + np.exp(-g)) * u
-            if act_int8:  # i0..i1 is one group
-                a_scales[p, block], a_qsums[p, block] = _quantize_group(acts, aq[p, i0:i1])
-            elif fmt == 2:
-                act_sums[p, block] = acts.sum()
+        while item < n_active * blocks:
+            a, block = item // blocks, item % blocks
+            e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
+            i0, i1 = block * width, min(inter, (block + 1) * width)
+            if tiles and last - first >= TILE_MIN:
+                for half in range(2):  # gate, up
+                    for r0 in range(half * inter + i0, half * inter + i1, TILE_ROWS):
+                        _tile_rows(w13[e], s13[e], r0, xq, xs, x_qsums, pair_token, first, last, ws, res)
+                        for p in range(first, last):
+                            for i in range(TILE_ROWS):
+                                gu[p, r0 + i] = res[p - first, i]
+            elif act_int8 and last - first == 1:  # one token (decode)
+                t = pair_token[first]
+                for half in range(2):
+                    for r in range(half * inter + i0, half * inter + i1):
+                        gu[first, r] = _row_times_one(fmt, w13[e, r], s13[e, r], xq[t], xs[t], x_qsums[t])
+            else:
+                for half in range(2):
+                    for r in range(half * inter + i0, half * inter + i1):
+                        _rows_times(fmt, w13[e, r], s13[e, r] if fmt else s13[0, 0], group, x, x_sums, xq, xs,
+                                    x_qsums, pair_token, first, last, buf, dots)
+                        for p in range(first, last):
+                            gu[p, r] = dots[p]
+            for p in range(first, last):  # SiLU(gate) x up, over slices indexed from 0 (see above)
+                gates, ups, acts = gu[p, i0:i1], gu[p, inter + i0 : inter + i1], act[p, i0:i1]
+                for j in range(i1 - i0):
+                    g, u = gates[j], ups[j]
+                    if g > lim:  # comparisons, not min/max: a NaN stays NaN
+                        g = lim
+                    if u > lim:
+                        u = lim
+                    elif u < -lim:
+                        u = -lim
+                    acts[j] = g / (np.float32(1.0) + np.exp(-g)) * u
+                if act_int8:  # i0..i1 is one group
+                    a_scales[p, block], a_qsums[p, block] = _quantize_group(acts, aq[p, i0:i1])
+                elif fmt == 2:
+                    act_sums[p, block] = acts.sum()
+            item = _take(queues, 0)
     pairs = np.arange(n_pairs).astype(np.int32)
     blocks2 = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
-    for _ in prange(workers):  # down: each item a block of output rows, its thread summing every expert's
-      buf = np.empty(inter, np.float32)
-      dots = np.empty(n_pairs, np.float32)
-      ws = np.empty((inter // group, TILE_ROWS), np.float32)
-      res = np.empty((most + 3, TILE_ROWS), np.float32)
-      while True:
+    for _ in prange(workers):  # down: an item is a block of output rows, every active expert's rows of it
+        buf = np.empty(inter, np.float32)
+        dots = np.empty(n_pairs, np.float32)
+        ws = np.empty((inter // group, TILE_ROWS), np.float32)
+        res = np.empty((most + 3, TILE_ROWS), np.float32)
         block = _take(queues, 1)
-        if block >= blocks2:
-            break
-        end = min(hidden, (block + 1) * ROW_BLOCK)
-        for a in range(n_active):
-            e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
-            if tiles and last - first >= TILE_MIN:
-                for r0 in range(block * ROW_BLOCK, end, TILE_ROWS):
-                    _tile_rows(w2[e], s2[e], r0, aq, a_scales, a_qsums, pairs, first, last, ws, res)
-                    for p in range(first, last):
-                        for i in range(TILE_ROWS):
-                            out[pair_token[p], r0 + i] += pair_weight[p] * res[p - first, i]
-                continue
-            if act_int8 and last - first == 1:  # one token (decode)
-                t, weight = pair_token[first], pair_weight[first]
+        while block < blocks2:
+            end = min(hidden, (block + 1) * ROW_BLOCK)
+            for a in range(n_active):
+                e, first, last = expert_ids[a], expert_start[a], expert_start[a + 1]
+                if tiles and last - first >= TILE_MIN:
+                    for r0 in range(block * ROW_BLOCK, end, TILE_ROWS):
+                        _tile_rows(w2[e], s2[e], r0, aq, a_scales, a_qsums, pairs, first, last, ws, res)
+                        for p in range(first, last):
+                            for i in range(TILE_ROWS):
+                                out[pair_token[p], r0 + i] += pair_weight[p] * res[p - first, i]
+                    continue
+                if act_int8 and last - first == 1:  # one token (decode)
+                    t, weight = pair_token[first], pair_weight[first]
+                    for r in range(block * ROW_BLOCK, end):
+                        out[t, r] += weight * _row_times_one(fmt, w2[e, r], s2[e, r], aq[first], a_scales[first],
+                                                             a_qsums[first])
+                    continue
                 for r in range(block * ROW_BLOCK, end):
-                    out[t, r] += weight * _row_times_one(fmt, w2[e, r], s2[e, r], aq[first], a_scales[first],
-                                                         a_qsums[first])
-                continue
-            for r in range(block * ROW_BLOCK, end):
-                _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
-                            a_qsums, pairs, expert_start[a], expert_start[a + 1], buf, dots)
-                for p in range(expert_start[a], expert_start[a + 1]):
-                    out[pair_token[p], r] += pair_weight[p] * dots[p]
+                    _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
+                                a_qsums, pairs, expert_start[a], expert_start[a + 1], buf, dots)
+                    for p in range(expert_start[a], expert_start[a + 1]):
+                        out[pair_token[p], r] += pair_weight[p] * dots[p]
+            block = _take(queues, 1)
 
 
 def group_by_expert(ids: np.ndarray, weights: np.ndarray, only: np.ndarray | None = None):

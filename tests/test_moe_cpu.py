@@ -100,6 +100,24 @@ def test_int8_activations_stay_close_to_fp32_ones():
         moe_cpu.moe_forward("bf16", 128, *layer("bf16", 128)[0], x, ids, weights, act_int8=True)
 
 
+@numba.njit(parallel=True)
+def _queue_drained(items, workers):
+    counters, taken = np.zeros(2, np.int64), np.zeros(items, np.int64)
+    for _ in numba.prange(workers):
+        item = moe_cpu._take(counters, 1)
+        while item < items:
+            taken[item] += 1
+            item = moe_cpu._take(counters, 1)
+    return counters, taken
+
+
+def test_the_work_queue_gives_each_item_once():
+    """Every thread of a parallel region takes items until none are left: each item once, whatever the threads."""
+    for workers in (1, numba.get_num_threads(), 4 * numba.get_num_threads()):
+        counters, taken = _queue_drained(100_000, workers)
+        assert (taken == 1).all() and counters.tolist() == [0, 100_000 + workers]
+
+
 def test_grouping_keeps_every_pair():
     ids = np.array([[3, 1], [1, 0], [3, 2]])
     weights = np.arange(6, dtype=np.float32).reshape(3, 2)
@@ -165,7 +183,7 @@ def test_generated_code_is_vectorised():
         for act_int8 in (False, True):
             kernel(moe_cpu.FORMAT_CODES[fmt], group, v13, s13, v2, s2, x, token, weight, experts, start,
                    np.empty((2, 2 * I), np.float32), np.empty((2, I), np.float32), np.zeros((1, H), np.float32),
-                   act_int8)
+                   numba.get_num_threads(), act_int8)
     asm = "\n".join(kernel.inspect_asm().values())
     assert re.search(r"vfmadd\w*ps\s+[^\n]*%[yz]mm", asm)  # packed fp32 FMAs on 256/512-bit registers
     assert "vpmovsxbd" in asm or "vpmovsxbw" in asm  # int8 sign-extended a vector at a time
