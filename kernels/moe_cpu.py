@@ -18,7 +18,8 @@ Two parallel regions a call (each a fork and a join of the thread team: what a d
 bytes), each with many more work items than cores, so all cores stay busy with 8 experts; a thread takes the next
 item of its phase when it finishes one (an atomic counter), so a core slowed by its neighbours takes fewer. Each int4
 weight step prefetches the line PREFETCH_AHEAD bytes on (and, a whole line a step, into L2 the one PREFETCH_FAR
-bytes on), so a core's dots and its DRAM reads overlap.
+bytes on), so a core's dots and its DRAM reads may overlap. Still a core's decode is bound by its own work: its
+dots and its reads add up more than they overlap (bench/RESULTS.md, session 61: from L3 as slow as from DRAM).
 """
 
 import os
