@@ -122,11 +122,11 @@ def _row_dots(rows, scales, xq, xs, xsum, reps, four):
     for _ in range(reps):
         for r in range(rows.shape[0]):
             if four:
-                a, b, c, d = moe_cpu._row_dots_u4q(rows[r], scales[r], (xq[0], xq[1], xq[2], xq[3]),
+                a, b, c, d = moe_cpu._row_dots_u4q((rows[r],), (scales[r],), (xq[0], xq[1], xq[2], xq[3]),
                                                    (xs[0], xs[1], xs[2], xs[3]), (xsum[0], xsum[1], xsum[2], xsum[3]))
                 total += a + b + c + d
             else:
-                total += moe_cpu._row_dots_u4q(rows[r], scales[r], (xq[0],), (xs[0],), (xsum[0],))[0]
+                total += moe_cpu._row_dots_u4q((rows[r],), (scales[r],), (xq[0],), (xs[0],), (xsum[0],))[0]
     return total
 
 

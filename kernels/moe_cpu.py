@@ -294,34 +294,37 @@ def _row_dot_i8q(typingctx, row, scales, vq, vs):
 
 
 @intrinsic
-def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
-    """For each vector k of the tuples: sum_g scales[g] vss[k][g] (sum_j nibble_j vqs[k][j] - 8 vsums[k][g]): an
-    int4 row (packed as int_groups lays it out) against int8 vectors with their group scales and sums, the row
-    loaded and unpacked once for all of them. With AVX512-VNNI the nibbles (0..15) go straight into vpdpbusd, 64
-    bytes a step for groups of 128 and 16 otherwise; without it, vpmaddwd pairs 16 bytes a step."""
+def _row_dots_u4q(typingctx, rows, scales, vqs, vss, vsums):
+    """For each row r and vector k of the tuples (r major): sum_g scales[r][g] vss[k][g] (sum_j nibble_j vqs[k][j] -
+    8 vsums[k][g]): int4 rows of one length (packed as int_groups lays them out) against int8 vectors with their
+    group scales and sums, each row loaded and unpacked once for all the vectors, each vector's bytes loaded once
+    for all the rows. With AVX512-VNNI the nibbles (0..15) go straight into vpdpbusd, 64 bytes a step for groups of
+    128 and 16 otherwise; without it, vpmaddwd pairs 16 bytes a step."""
     vnni = _has_vnni()
-    count = len(vqs)
+    n_rows, count = len(rows), len(vqs)
 
     def codegen(context, builder, signature, args):
-        row_a, sc_a = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:2], args[:2]))
-        vq_a, vs_a, sum_a = ([context.make_array(t.dtype)(context, builder, builder.extract_value(v, k))
-                              for k in range(count)] for t, v in zip(signature.args[2:], args[2:]))
-        group_bytes = builder.udiv(row_a.nitems, sc_a.nitems)  # half a group of inputs
+        row_a, sc_a, vq_a, vs_a, sum_a = ([context.make_array(t.dtype)(context, builder, builder.extract_value(v, k))
+                                          for k in range(len(t))] for t, v in zip(signature.args, args))
+        group_bytes = builder.udiv(row_a[0].nitems, sc_a[0].nitems)  # half a group of inputs
 
         def halves(accs, i, base, lanes, combine):
-            low, high, lo_at, hi_at = _int4_step(builder, row_a.data, i, lanes, group_bytes, base)
-            return [combine(combine(acc, low, _load_i8(builder, vq.data, lo_at, lanes)), high,
-                            _load_i8(builder, vq.data, hi_at, lanes)) for acc, vq in zip(accs, vq_a)]
+            nibbles = [_int4_step(builder, row.data, i, lanes, group_bytes, base) for row in row_a]
+            lo_at, hi_at = nibbles[0][2:]
+            inputs = [(_load_i8(builder, vq.data, lo_at, lanes), _load_i8(builder, vq.data, hi_at, lanes))
+                      for vq in vq_a]
+            return [combine(combine(accs[r * count + k], low, lo), high, hi)
+                    for r, (low, high, _, _) in enumerate(nibbles) for k, (lo, hi) in enumerate(inputs)]
 
-        scales = [lambda g, vs=vs: builder.fmul(_float_at(builder, sc_a, g), _float_at(builder, vs, g))
-                  for vs in vs_a]
-        results = [cgutils.alloca_once(builder, ir.FloatType()) for _ in range(count)]
+        scales = [lambda g, sc=sc, vs=vs: builder.fmul(_float_at(builder, sc, g), _float_at(builder, vs, g))
+                  for sc in sc_a for vs in vs_a]
+        results = [cgutils.alloca_once(builder, ir.FloatType()) for _ in range(n_rows * count)]
 
         offsets = [lambda g, sums=sums: builder.mul(builder.load(builder.gep(sums.data, [g])),
-                                                    ir.Constant(ir.IntType(32), 8)) for sums in sum_a]
+                                                    ir.Constant(ir.IntType(32), 8)) for _ in sc_a for sums in sum_a]
 
         def dots(lanes, acc_lanes, combine):  # each group's integer sum less 8 x its inputs' sum: nibbles - 8
-            values = _grouped_dot(builder, sc_a.nitems, group_bytes, lanes, acc_lanes,
+            values = _grouped_dot(builder, sc_a[0].nitems, group_bytes, lanes, acc_lanes,
                                   lambda accs, i, base: halves(accs, i, base, lanes, combine), scales, offsets=offsets)
             for value, result in zip(values, results):
                 builder.store(value, result)
@@ -338,7 +341,7 @@ def _row_dots_u4q(typingctx, row, scales, vqs, vss, vsums):
         else:
             dots(16, 8, lambda acc, a8, b8: builder.add(acc, _pairwise_products(builder, a8, b8)))
         return context.make_tuple(builder, signature.return_type, [builder.load(result) for result in results])
-    return types.UniTuple(types.float32, count)(row, scales, vqs, vss, vsums), codegen
+    return types.UniTuple(types.float32, n_rows * count)(rows, scales, vqs, vss, vsums), codegen
 
 
 # ------------------------------------------- a tile: 16 int4 rows x several int8 vectors (prefill)
@@ -464,22 +467,23 @@ def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
     p = first
     while p + DOTS_AT_ONCE <= last:
         a, b, c, d = which[p], which[p + 1], which[p + 2], which[p + 3]
-        out[p], out[p + 1], out[p + 2], out[p + 3] = _row_dots_u4q(row, scales, (vq[a], vq[b], vq[c], vq[d]),
-                                                                   (vs[a], vs[b], vs[c], vs[d]),
-                                                                   (vsum[a], vsum[b], vsum[c], vsum[d]))
+        out[p], out[p + 1], out[p + 2], out[p + 3] = _row_dots_u4q(
+            (row,), (scales,), (vq[a], vq[b], vq[c], vq[d]), (vs[a], vs[b], vs[c], vs[d]),
+            (vsum[a], vsum[b], vsum[c], vsum[d]))
         p += DOTS_AT_ONCE
     for q in range(p, last):
-        out[q] = _row_dots_u4q(row, scales, (vq[which[q]],), (vs[which[q]],), (vsum[which[q]],))[0]
+        out[q] = _row_dots_u4q((row,), (scales,), (vq[which[q]],), (vs[which[q]],), (vsum[which[q]],))[0]
 
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
-def _row_times_one(fmt, row, scales, vq, vs, vsum):
-    """row . one int8-quantised vector (vq, its group scales vs and sums vsum): a decode token's dot, which the loops
-    over rows call directly (through _rows_times and _rows_times_q one core's layer read 8-12% slower:
-    bench/RESULTS.md, session 61)."""
+def _two_rows_times_one(fmt, w, s, r, q, vq, vs, vsum):
+    """(row r of w . one int8-quantised vector, row q . it): the vector's values vq, group scales vs and sums vsum. A
+    decode token's dots, which the loops over rows call directly (through _rows_times and _rows_times_q one core's
+    layer read 8-12% slower: bench/RESULTS.md, session 61) for two rows at once (an int4 step's vector bytes loaded
+    once for both: session 62)."""
     if fmt == 1:
-        return _row_dot_i8q(row, scales, vq, vs)
-    return _row_dots_u4q(row, scales, (vq,), (vs,), (vsum,))[0]
+        return _row_dot_i8q(w[r], s[r], vq, vs), _row_dot_i8q(w[q], s[q], vq, vs)
+    return _row_dots_u4q((w[r], w[q]), (s[r], s[q]), (vq,), (vs,), (vsum,))
 
 
 TILES = _has_vnni()  # tiles need vpdpbusd
@@ -638,9 +642,9 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                                 gu[p, r0 + i] = res[p - first, i]
             elif act_int8 and last - first == 1:  # one token (decode)
                 t = pair_token[first]
-                for half in range(2):
-                    for r in range(half * inter + i0, half * inter + i1):
-                        gu[first, r] = _row_times_one(fmt, w13[e, r], s13[e, r], xq[t], xs[t], x_qsums[t])
+                for r in range(i0, i1):  # a gate row and its up row
+                    gu[first, r], gu[first, inter + r] = _two_rows_times_one(fmt, w13[e], s13[e], r, inter + r,
+                                                                             xq[t], xs[t], x_qsums[t])
             else:
                 for half in range(2):
                     for r in range(half * inter + i0, half * inter + i1):
@@ -685,9 +689,11 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                     continue
                 if act_int8 and last - first == 1:  # one token (decode)
                     t, weight = pair_token[first], pair_weight[first]
-                    for r in range(block * ROW_BLOCK, end):
-                        out[t, r] += weight * _row_times_one(fmt, w2[e, r], s2[e, r], aq[first], a_scales[first],
-                                                             a_qsums[first])
+                    for r in range(block * ROW_BLOCK, end, 2):  # rows in twos: hidden, w13's inputs, is groups
+                        d0, d1 = _two_rows_times_one(fmt, w2[e], s2[e], r, r + 1, aq[first], a_scales[first],
+                                                     a_qsums[first])
+                        out[t, r] += weight * d0
+                        out[t, r + 1] += weight * d1
                     continue
                 for r in range(block * ROW_BLOCK, end):
                     _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,

@@ -149,6 +149,31 @@ def test_grouping_refuses_a_negative_expert_id():
         moe_cpu.group_by_expert(np.array([[0, -1]]), np.ones((1, 2), np.float32))
 
 
+@numba.njit
+def _two_rows_three_vectors(w, s, vq, vs, vsum):
+    return moe_cpu._row_dots_u4q((w[0], w[1]), (s[0], s[1]), (vq[0], vq[1], vq[2]), (vs[0], vs[1], vs[2]),
+                                 (vsum[0], vsum[1], vsum[2]))
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_row_dots_take_rows_and_vectors(group):
+    """_row_dots_u4q with two int4 rows and three int8 vectors: six dots, row major, against integer dots in numpy
+    scaled per group (a line a step for groups of 128, 16 bytes a step for 32)."""
+    rng = np.random.default_rng(group)
+    groups = 3
+    w = rng.integers(0, 256, (2, group // 2 * groups), dtype=np.uint8)
+    s = rng.random((2, groups), dtype=np.float32)
+    vq = rng.integers(-127, 128, (3, group * groups), dtype=np.int8)
+    vs = rng.random((3, groups), dtype=np.float32)
+    vsum = vq.reshape(3, groups, group).sum(-1).astype(np.int32)
+    nibbles = w.reshape(2, groups, group // 2)
+    weights = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).astype(np.int64) - 8  # [2, G, group]
+    dots = np.einsum("rgk,vgk->rvg", weights, vq.reshape(3, groups, group).astype(np.int64))
+    want = (dots * s[:, None, :] * vs[None]).sum(-1).reshape(-1)
+    got = np.array(_two_rows_three_vectors(w, s, vq, vs, vsum))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("first, last", [(0, 21), (2, 11), (3, 7), (5, 6), (0, 8)])
 def test_a_tile_equals_exact_integer_dots(first, last):
     """_tile_rows: 16 int4 rows (groups of 128, from row 2 of 20) times int8 vectors chosen through `which`, by tiles of
