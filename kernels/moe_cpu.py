@@ -460,7 +460,7 @@ DOTS_AT_ONCE = 4  # int4 rows x int8 vectors: this many vectors a pass over the 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
 def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
     """out[p] = row . vq[which[p]] for p in first..last-1, the vectors int8-quantised (vq values, vs group scales,
-    vsum their sums); an int4 row unpacked once per DOTS_AT_ONCE of them."""
+    vsum their sums); an int4 row unpacked once per DOTS_AT_ONCE of them, and once for the 1-3 left."""
     if fmt == 1:
         for p in range(first, last):
             out[p] = _row_dot_i8q(row, scales, vq[which[p]], vs[which[p]])
@@ -472,8 +472,16 @@ def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
             (row,), (scales,), (vq[a], vq[b], vq[c], vq[d]), (vs[a], vs[b], vs[c], vs[d]),
             (vsum[a], vsum[b], vsum[c], vsum[d]))
         p += DOTS_AT_ONCE
-    for q in range(p, last):
-        out[q] = _row_dots_u4q((row,), (scales,), (vq[which[q]],), (vs[which[q]],), (vsum[which[q]],))[0]
+    if last - p == 3:
+        a, b, c = which[p], which[p + 1], which[p + 2]
+        out[p], out[p + 1], out[p + 2] = _row_dots_u4q((row,), (scales,), (vq[a], vq[b], vq[c]), (vs[a], vs[b], vs[c]),
+                                                       (vsum[a], vsum[b], vsum[c]))
+    elif last - p == 2:
+        a, b = which[p], which[p + 1]
+        out[p], out[p + 1] = _row_dots_u4q((row,), (scales,), (vq[a], vq[b]), (vs[a], vs[b]), (vsum[a], vsum[b]))
+    elif last - p == 1:
+        a = which[p]
+        out[p] = _row_dots_u4q((row,), (scales,), (vq[a],), (vs[a],), (vsum[a],))[0]
 
 
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
