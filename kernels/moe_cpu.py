@@ -484,15 +484,31 @@ def _rows_times_q(fmt, row, scales, vq, vs, vsum, which, first, last, out):
         out[p] = _row_dots_u4q((row,), (scales,), (vq[a],), (vs[a],), (vsum[a],))[0]
 
 
+FEW = 3  # an expert's tokens up to which its rows go two at a call straight from the loops (more: _rows_times, tiles)
+
+
 @njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
-def _two_rows_times_one(fmt, w, s, r, q, vq, vs, vsum):
-    """(row r of w . one int8-quantised vector, row q . it): the vector's values vq, group scales vs and sums vsum. A
-    decode token's dots, which the loops over rows call directly (through _rows_times and _rows_times_q one core's
-    layer read 8-12% slower: bench/RESULTS.md, session 61) for two rows at once (an int4 step's vector bytes loaded
-    once for both: session 62)."""
+def _two_rows_times_few(fmt, w, s, r, q, vq, vs, vsum, which, first, last, res):
+    """res[0, p - first] = row r of w . vq[which[p]] and res[1, p - first] = row q . it, for the 1 to FEW vectors
+    first..last-1 (int8-quantised: values vq, group scales vs, sums vsum). The loops over rows call it directly for an
+    expert with few tokens, every decode token's (through _rows_times and _rows_times_q one core's layer read 8-12%
+    slower: bench/RESULTS.md, session 61), two rows at once (an int4 step's vector bytes loaded once for both)."""
     if fmt == 1:
-        return _row_dot_i8q(w[r], s[r], vq, vs), _row_dot_i8q(w[q], s[q], vq, vs)
-    return _row_dots_u4q((w[r], w[q]), (s[r], s[q]), (vq,), (vs,), (vsum,))
+        for p in range(first, last):
+            res[0, p - first] = _row_dot_i8q(w[r], s[r], vq[which[p]], vs[which[p]])
+            res[1, p - first] = _row_dot_i8q(w[q], s[q], vq[which[p]], vs[which[p]])
+        return
+    rows, scales, a = (w[r], w[q]), (s[r], s[q]), which[first]
+    if last - first == 1:
+        res[0, 0], res[1, 0] = _row_dots_u4q(rows, scales, (vq[a],), (vs[a],), (vsum[a],))
+    elif last - first == 2:
+        b = which[first + 1]
+        res[0, 0], res[0, 1], res[1, 0], res[1, 1] = _row_dots_u4q(rows, scales, (vq[a], vq[b]), (vs[a], vs[b]),
+                                                                   (vsum[a], vsum[b]))
+    else:
+        b, c = which[first + 1], which[first + 2]
+        res[0, 0], res[0, 1], res[0, 2], res[1, 0], res[1, 1], res[1, 2] = _row_dots_u4q(
+            rows, scales, (vq[a], vq[b], vq[c]), (vs[a], vs[b], vs[c]), (vsum[a], vsum[b], vsum[c]))
 
 
 TILES = _has_vnni()  # tiles need vpdpbusd
@@ -637,6 +653,7 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
         res = np.empty((most + 3, TILE_ROWS), np.float32)
         buf = np.empty(hidden, np.float32)
         dots = np.empty(n_pairs, np.float32)
+        few = np.empty((2, FEW), np.float32)
         item = _take(queues, 0)
         while item < n_active * blocks:
             a, block = item // blocks, item % blocks
@@ -649,11 +666,12 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                         for p in range(first, last):
                             for i in range(TILE_ROWS):
                                 gu[p, r0 + i] = res[p - first, i]
-            elif act_int8 and last - first == 1:  # one token (decode)
-                t = pair_token[first]
+            elif act_int8 and last - first <= FEW:  # few tokens (every decode token's experts)
                 for r in range(i0, i1):  # a gate row and its up row
-                    gu[first, r], gu[first, inter + r] = _two_rows_times_one(fmt, w13[e], s13[e], r, inter + r,
-                                                                             xq[t], xs[t], x_qsums[t])
+                    _two_rows_times_few(fmt, w13[e], s13[e], r, inter + r, xq, xs, x_qsums, pair_token, first, last,
+                                        few)
+                    for p in range(first, last):
+                        gu[p, r], gu[p, inter + r] = few[0, p - first], few[1, p - first]
             else:
                 for half in range(2):
                     for r in range(half * inter + i0, half * inter + i1):
@@ -684,6 +702,7 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
         dots = np.empty(n_pairs, np.float32)
         ws = np.empty((inter // group, TILE_ROWS), np.float32)
         res = np.empty((most + 3, TILE_ROWS), np.float32)
+        few = np.empty((2, FEW), np.float32)
         block = _take(queues, 1)
         while block < blocks2:
             end = min(hidden, (block + 1) * ROW_BLOCK)
@@ -696,13 +715,13 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                             for i in range(TILE_ROWS):
                                 out[pair_token[p], r0 + i] += pair_weight[p] * res[p - first, i]
                     continue
-                if act_int8 and last - first == 1:  # one token (decode)
-                    t, weight = pair_token[first], pair_weight[first]
+                if act_int8 and last - first <= FEW:  # few tokens (every decode token's experts)
                     for r in range(block * ROW_BLOCK, end, 2):  # rows in twos: hidden, w13's inputs, is groups
-                        d0, d1 = _two_rows_times_one(fmt, w2[e], s2[e], r, r + 1, aq[first], a_scales[first],
-                                                     a_qsums[first])
-                        out[t, r] += weight * d0
-                        out[t, r + 1] += weight * d1
+                        _two_rows_times_few(fmt, w2[e], s2[e], r, r + 1, aq, a_scales, a_qsums, pairs, first, last,
+                                            few)
+                        for p in range(first, last):
+                            out[pair_token[p], r] += pair_weight[p] * few[0, p - first]
+                            out[pair_token[p], r + 1] += pair_weight[p] * few[1, p - first]
                     continue
                 for r in range(block * ROW_BLOCK, end):
                     _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
