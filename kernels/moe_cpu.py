@@ -12,7 +12,7 @@ as llama.cpp's Q8 activations do; the reference then quantises its activations t
 The kernel is one call per layer and token batch: pairs (token, slot) are grouped by expert; phase 1
 computes gate and up for every (expert, block of intermediate indices: one group of the int formats) in
 parallel, reading each weight row once for all of that expert's tokens (with int8 activations an int4 row is
-unpacked once for 4 of them; a decode token's rows go two at a call, the vector's bytes loaded once for both),
+unpacked once for 4 of them; an expert's rows go two at a call for its 1-3 tokens, every decode token's experts),
 then the block's SiLU(gate) x up and its int8 form; phase 2 splits the output rows into blocks, each thread summing
 every active expert's down rows of its block times the routing weight.
 Two parallel regions a call (each a fork and a join of the thread team: what a decode step pays besides the
