@@ -725,8 +725,8 @@ def moe_layer(fmt, group, w13, s13, w2, s2, x, pair_token, pair_weight, expert_i
                     continue
                 for r in range(block * ROW_BLOCK, end):
                     _rows_times(fmt, w2[e, r], s2[e, r] if fmt else s2[0, 0], group, act, act_sums, aq, a_scales,
-                                a_qsums, pairs, expert_start[a], expert_start[a + 1], buf, dots)
-                    for p in range(expert_start[a], expert_start[a + 1]):
+                                a_qsums, pairs, first, last, buf, dots)
+                    for p in range(first, last):
                         out[pair_token[p], r] += pair_weight[p] * dots[p]
             block = _take(queues, 1)
 
